@@ -1,0 +1,102 @@
+"""Engine configuration: small frozen dataclasses, validated on construction.
+
+The scheduler and the block manager are built from ``CacheConfig`` and
+``SchedulerConfig`` alone (plain numbers), never from a model config, so they stay
+importable and testable without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+PreemptionMode = Literal["recompute", "swap", "auto"]
+AdmissionPolicy = Literal["optimistic", "reserve"]
+
+PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap", "auto")
+ADMISSION_POLICIES: tuple[str, ...] = ("optimistic", "reserve")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV block pools: how many blocks of how many tokens, on device and host."""
+
+    num_device_blocks: int
+    block_size: int = 16
+    num_host_blocks: int = 0
+    enable_prefix_caching: bool = True
+    # Fraction of device blocks kept free when admitting new requests, so that running
+    # requests can still grow by a few decode tokens without immediate preemption.
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.num_device_blocks < 1:
+            raise ValueError("num_device_blocks must be >= 1")
+        if self.num_host_blocks < 0:
+            raise ValueError("num_host_blocks must be >= 0")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError("watermark must be in [0, 1)")
+
+    @property
+    def watermark_blocks(self) -> int:
+        return int(self.watermark * self.num_device_blocks)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step budgets and the admission/preemption policies."""
+
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    preemption_mode: PreemptionMode = "auto"
+    admission_policy: AdmissionPolicy = "optimistic"
+    # In ``auto`` mode, swap a victim out (instead of recomputing it later) when it holds
+    # at least this many computed tokens and the host pool has room.
+    swap_min_tokens: int = 256
+    # Waiting-queue bounds (0 = unbounded): requests beyond them are rejected at add().
+    max_queued_requests: int = 0
+    max_queued_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}")
+        if self.admission_policy not in ADMISSION_POLICIES:
+            raise ValueError(f"admission_policy must be one of {ADMISSION_POLICIES}")
+        if self.max_queued_requests < 0 or self.max_queued_tokens < 0:
+            raise ValueError("queue bounds must be >= 0")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything needed to build a serving engine; the CLI maps its flags onto this.
+
+    ``model`` None means the embedded SmolLM2-135M-Instruct GGUF. Memory figures are GiB.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    kv_cache_dtype: str = "auto"  # auto | bfloat16 | float16 | fp8 | int8
+    max_model_len: int | None = None  # None: min(model's context, 8192)
+    block_size: int = 16
+    kv_cache_memory_gib: float = 2.0  # CPU: the KV budget on top of weights/activations
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of total device memory
+    num_kv_blocks: int | None = None  # overrides the measured block count
+    swap_space_gib: float = 1.0  # host pool for offload
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    preemption_mode: PreemptionMode = "auto"
+    admission_policy: AdmissionPolicy = "optimistic"
+    enable_prefix_caching: bool = True
+    max_queued_requests: int = 0
+    max_queued_tokens: int = 0
+    seed: int = 0

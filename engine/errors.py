@@ -1,0 +1,17 @@
+"""Engine-side errors that the server maps onto HTTP statuses."""
+
+from __future__ import annotations
+
+
+class RequestRejected(ValueError):
+    """A request the engine will never run. ``reason`` is a stable label for metrics
+    (``too_long``, ``no_capacity``, ``queue_full``); the message tells the user what to
+    change."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop died; no request can make progress until restart."""

@@ -1,0 +1,191 @@
+"""The single source of KV-cache memory arithmetic.
+
+Everything in kvserve that talks about KV memory -- the startup log, ``kvserve plan``,
+the Prometheus gauges and the scheduler's admission checks -- calls this module, so the
+numbers a user plans with are the numbers the server runs with.
+
+For a homogeneous full-attention decoder the logical payload of one sequence of ``t``
+retained tokens is ``2 * L * H_kv * d * t * b`` bytes (K and V, ``L`` layers, ``H_kv`` KV
+heads of dimension ``d``, ``b`` bytes per element). Quantized caches (int8, fp8) also keep
+one float32 scale per token, head and K/V, which is counted here too. Stored in blocks of
+``S`` tokens, a sequence occupies ``ceil(t / S)`` blocks and wastes the rest of the last
+one as padding.
+
+Pure Python: no torch, no model config objects, just numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1024**3
+MIB = 1024**2
+
+# Bytes per stored element for each KV cache dtype kvserve supports.
+KV_DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "fp8": 1,
+    "int8": 1,
+}
+# Quantized formats keep a float32 scale per (token, KV head) for K and for V.
+QUANTIZED_KV_DTYPES = frozenset({"fp8", "int8"})
+SCALE_BYTES = 4
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What one token costs in the cache: the model's attention shape and the KV dtype."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype not in KV_DTYPE_BYTES:
+            raise ValueError(
+                f"unknown KV cache dtype {self.kv_dtype!r}; choose one of {sorted(KV_DTYPE_BYTES)}"
+            )
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+
+    @property
+    def element_bytes(self) -> int:
+        return KV_DTYPE_BYTES[self.kv_dtype]
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.kv_dtype in QUANTIZED_KV_DTYPES
+
+
+def bytes_per_token(shape: KVShape) -> int:
+    """K and V of one token across all layers and KV heads, including quantization scales."""
+    per_head = shape.head_dim * shape.element_bytes
+    if shape.is_quantized:
+        per_head += SCALE_BYTES
+    return 2 * shape.num_layers * shape.num_kv_heads * per_head
+
+
+def payload_bytes(shape: KVShape, num_tokens: int) -> int:
+    """Logical KV payload of ``num_tokens`` retained tokens: 2*L*H_kv*d*t*b (+ scales)."""
+    return bytes_per_token(shape) * num_tokens
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``num_tokens``: ceil(t / S)."""
+    return -(-num_tokens // block_size)
+
+
+def padding_slots(num_tokens: int, block_size: int) -> int:
+    """Unused token slots in the last block: ceil(t/S)*S - t."""
+    return blocks_for_tokens(num_tokens, block_size) * block_size - num_tokens
+
+
+def bytes_per_block(shape: KVShape, block_size: int) -> int:
+    """Memory one KV block occupies (all layers, K and V, scales)."""
+    return bytes_per_token(shape) * block_size
+
+
+def allocated_bytes(shape: KVShape, num_blocks: int, block_size: int) -> int:
+    """Memory held by ``num_blocks`` blocks, padding included."""
+    return bytes_per_block(shape, block_size) * num_blocks
+
+
+def num_blocks_for_budget(shape: KVShape, block_size: int, kv_budget_bytes: int) -> int:
+    """How many whole blocks fit in ``kv_budget_bytes`` (never negative)."""
+    return max(0, kv_budget_bytes // bytes_per_block(shape, block_size))
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """What a memory budget buys: the KV pool and how many sequences it serves."""
+
+    memory_budget_bytes: int
+    weight_bytes: int
+    activation_reserve_bytes: int
+    kv_budget_bytes: int
+    block_size: int
+    bytes_per_token: int
+    bytes_per_block: int
+    num_blocks: int
+    token_capacity: int
+    max_model_len: int
+    blocks_per_max_len_seq: int
+    max_seqs_at_max_len: int
+    avg_len: int
+    blocks_per_avg_len_seq: int
+    max_seqs_at_avg_len: int
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def fits_one_max_len_sequence(self) -> bool:
+        return self.max_seqs_at_max_len >= 1
+
+
+def plan_capacity(
+    shape: KVShape,
+    *,
+    memory_budget_bytes: int,
+    weight_bytes: int,
+    activation_reserve_bytes: int,
+    block_size: int,
+    max_model_len: int,
+    avg_len: int | None = None,
+    num_blocks_override: int | None = None,
+) -> CapacityPlan:
+    """Size the KV pool: (budget - weights - activations) / bytes_per_block blocks.
+
+    ``num_blocks_override`` (``--num-kv-blocks``) replaces the derived block count; the
+    rest of the plan is then computed from it. Concurrency figures count whole blocks per
+    sequence, as the block manager allocates them.
+    """
+    per_block = bytes_per_block(shape, block_size)
+    kv_budget = max(0, memory_budget_bytes - weight_bytes - activation_reserve_bytes)
+    num_blocks = (
+        num_blocks_override
+        if num_blocks_override is not None
+        else num_blocks_for_budget(shape, block_size, kv_budget)
+    )
+    avg = avg_len if avg_len is not None else max_model_len
+    max_len_blocks = blocks_for_tokens(max_model_len, block_size)
+    avg_blocks = max(1, blocks_for_tokens(avg, block_size))
+    return CapacityPlan(
+        memory_budget_bytes=memory_budget_bytes,
+        weight_bytes=weight_bytes,
+        activation_reserve_bytes=activation_reserve_bytes,
+        kv_budget_bytes=kv_budget,
+        block_size=block_size,
+        bytes_per_token=bytes_per_token(shape),
+        bytes_per_block=per_block,
+        num_blocks=num_blocks,
+        token_capacity=num_blocks * block_size,
+        max_model_len=max_model_len,
+        blocks_per_max_len_seq=max_len_blocks,
+        max_seqs_at_max_len=num_blocks // max_len_blocks if max_len_blocks else 0,
+        avg_len=avg,
+        blocks_per_avg_len_seq=avg_blocks,
+        max_seqs_at_avg_len=num_blocks // avg_blocks,
+    )
+
+
+def max_concurrency(num_blocks: int, seq_len: int, block_size: int) -> int:
+    """Largest number of sequences of ``seq_len`` tokens that fit in ``num_blocks`` blocks."""
+    need = blocks_for_tokens(seq_len, block_size)
+    return num_blocks // need if need else 0
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Human-readable binary size: '93.75 MiB'."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+

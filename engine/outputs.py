@@ -1,0 +1,158 @@
+"""The contracts between the engine's layers, as plain dataclasses.
+
+    Scheduler --SchedulerOutput--> Runner --RunnerOutput--> Scheduler.update() --> deltas
+
+The scheduler never touches tensors and the runner never decides; this module is all
+they share. ``EngineStats`` is the snapshot the metrics and ``/health`` read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import FinishReason, SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The runner computes K/V for ``token_ids`` at positions
+    ``[num_computed_tokens, num_computed_tokens + len(token_ids))`` into the slots given by
+    ``block_ids`` (the request's whole block table, shared by reference: read-only), and
+    samples one token from the last position when ``sample`` is true (the step completes
+    the prompt or is a decode step). ``output_token_ids`` and ``prompt_token_ids`` are
+    references for penalties; the runner must not mutate them.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    seed: int | None = None
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens attended to by the last new token (cached + new)."""
+        return self.num_computed_tokens + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the runner executes for one step, in order: swap_out, swap_in, copies,
+    then the forward over ``scheduled``."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (device src, device dst)
+    # Requests that left the engine since the last step: the runner drops their state.
+    finished_request_ids: list[str] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.swap_out or self.swap_in or self.copies)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The sampled token's logprob and the top alternatives (token id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class RunnerOutput:
+    """Sampled tokens for the scheduled requests whose ``sample`` flag was set."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+
+
+@dataclass
+class RequestDelta:
+    """What one step produced for one sequence (one choice of a client request)."""
+
+    request_id: str
+    group_id: str
+    index: int
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    # Filled on the finishing delta only.
+    num_blocks: int = 0  # device KV blocks the sequence held when it finished
+    queue_time: float | None = None  # seconds from arrival to first schedule
+    # Set when the request failed inside the engine (the server answers 500).
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Occupancy of one block pool. used + free + cached == total, where ``cached``
+    counts free blocks that still hold reusable prefix-cache contents."""
+
+    total: int
+    used: int
+    free: int
+    cached: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A cheap, immutable snapshot of the engine for metrics and health checks.
+
+    Gauges describe the moment of the snapshot; ``*_total`` fields are monotonic counters.
+    Byte figures come from engine/kv/accounting.py.
+    """
+
+    device_blocks: PoolStats
+    host_blocks: PoolStats
+    block_size: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    # Sum over live requests of their tokens with K/V in device blocks (a shared prefix
+    # counts once per sequence: this is the logical demand).
+    live_tokens: int
+    payload_bytes: int  # accounting.payload_bytes(live_tokens)
+    allocated_bytes: int  # used device blocks * bytes_per_block
+    shared_bytes: int  # sum over used blocks of (ref_count - 1) * bytes_per_block
+    preemptions_total: dict[str, int] = field(default_factory=dict)  # mode -> count
+    blocks_swapped_out_total: int = 0
+    blocks_swapped_in_total: int = 0
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up
+    prefix_cache_hits_total: int = 0  # prompt tokens served from cache
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    steps_total: int = 0
+
+    @property
+    def usage_ratio(self) -> float:
+        total = self.device_blocks.total
+        return self.device_blocks.used / total if total else 0.0
+
+    @property
+    def padding_bytes(self) -> int:
+        return max(0, self.allocated_bytes + self.shared_bytes - self.payload_bytes)

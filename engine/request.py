@@ -1,0 +1,148 @@
+"""Requests as the engine sees them: token counters plus sampling parameters.
+
+A request is not a phase machine. It is ``num_computed_tokens`` chasing ``num_tokens``:
+prefill, chunked prefill, prefix-cache hits and recompute after preemption are all just
+different values of that counter.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended, in OpenAI's vocabulary."""
+
+    STOP = "stop"  # EOS, a stop token id, or a stop string (reported by the server)
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"  # client went away, shutdown, or an engine-side rejection
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding controls. Validation of user input happens in the server;
+    these checks only guard the engine's own invariants."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    # Number of top alternatives to return per sampled token; None = no logprobs at all,
+    # 0 = only the sampled token's logprob.
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.n < 1:
+            raise ValueError("n must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated. For ``n > 1`` a client request becomes ``n`` of these
+    sharing a ``group_id``; choice ``index`` 0 is the parent, the rest are forked from it.
+
+    ``eos_token_ids`` come from the tokenizer; ``cache_salt`` isolates prefix-cache
+    sharing between tenants (it is mixed into the first block's hash).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    group_id: str = ""
+    index: int = 0
+    priority: int = 0  # lower value = more important (as vLLM)
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admit)
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.group_id:
+            self.group_id = self.request_id
+        # all_token_ids grows in place; prompt and output views are kept in sync by
+        # append_output_token() so hot paths never concatenate lists.
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def seed(self) -> int | None:
+        """Per-choice seed: choices of one seeded request differ but are reproducible."""
+        base = self.sampling_params.seed
+        return None if base is None else base + self.index
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
