@@ -1,0 +1,292 @@
+"""AsyncEngine: drives a single-threaded EngineCore from a background thread.
+
+The asyncio event loop never runs a model forward. All calls into the core happen on
+one engine thread: the event loop only appends adds and aborts to a locked inbox, which
+the thread drains at the start of every step, so an abort frees the request's blocks
+within one step. Deltas go back to the loop in one ``call_soon_threadsafe`` per step and
+are fanned out to one ``asyncio.Queue`` per client request (group). When there is no
+work the thread sleeps on a condition variable instead of spinning.
+
+If a step raises, the engine is dead: every open stream receives an ``EngineDeadError``,
+new requests are refused with it, and ``is_alive`` turns false for ``/health``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.errors import EngineDeadError
+from engine.outputs import EngineStats, RequestDelta
+from engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class CoreLike(Protocol):
+    """What AsyncEngine needs from engine.core.EngineCore."""
+
+    def add_request(self, requests: list[Request]) -> None: ...
+    def abort(self, group_id: str) -> None: ...
+    def step(self) -> list[RequestDelta]: ...
+    def has_unfinished(self) -> bool: ...
+    def stats(self) -> EngineStats: ...
+
+
+@dataclass
+class _AddCommand:
+    requests: list[Request]
+    admitted: asyncio.Future[None]
+
+
+@dataclass
+class _Inbox:
+    """Work handed from the event loop to the engine thread, guarded by ``cond``."""
+
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    adds: list[_AddCommand] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    stopping: bool = False
+
+    def has_work(self) -> bool:
+        return bool(self.adds or self.aborts)
+
+
+class GroupStream:
+    """The deltas of one client request (all ``n`` choices), in engine order.
+
+    Iterate it for deltas; it ends once every choice has finished. ``close()`` aborts the
+    choices still running (a client disconnect, a stop string, shutdown).
+    """
+
+    def __init__(self, engine: AsyncEngine, group_id: str, num_choices: int) -> None:
+        self._engine = engine
+        self.group_id = group_id
+        self._queue: asyncio.Queue[list[RequestDelta] | BaseException] = asyncio.Queue()
+        self._unfinished = num_choices
+        self._closed = False
+
+    @property
+    def finished(self) -> bool:
+        return self._unfinished == 0
+
+    def _deliver(self, item: list[RequestDelta] | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> AsyncIterator[RequestDelta]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestDelta]:
+        while self._unfinished > 0:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            for delta in item:
+                if delta.finished:
+                    self._unfinished -= 1
+                yield delta
+        self.close()
+
+    def close(self) -> None:
+        """Stop listening; abort the group in the engine unless it already finished."""
+        if self._closed:
+            return
+        self._closed = True
+        self._engine._release(self.group_id, abort=self._unfinished > 0)
+
+
+class AsyncEngine:
+    """Owns the engine thread. Create it, ``await start()`` inside the event loop, then
+    ``add()`` requests and iterate the returned streams; ``shutdown()`` at the end."""
+
+    def __init__(self, core: CoreLike, *, thread_name: str = "kvserve-engine") -> None:
+        self.core = core
+        self._thread_name = thread_name
+        self._inbox = _Inbox()
+        self._streams: dict[str, GroupStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._dead_error: EngineDeadError | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """Start the engine thread, bound to the running event loop."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Abort everything still running and stop the thread (blocking, bounded)."""
+        with self._inbox.cond:
+            self._inbox.aborts.extend(self._streams)
+            self._inbox.stopping = True
+            self._inbox.cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def is_alive(self) -> bool:
+        """True while the engine thread runs and no step has failed."""
+        return (
+            self._dead_error is None
+            and self._thread is not None
+            and self._thread.is_alive()
+            and not self._inbox.stopping
+        )
+
+    @property
+    def dead_reason(self) -> str | None:
+        return None if self._dead_error is None else str(self._dead_error)
+
+    @property
+    def num_open_streams(self) -> int:
+        return len(self._streams)
+
+    def stats(self) -> EngineStats:
+        """The core's latest immutable snapshot (safe from any thread)."""
+        return self.core.stats()
+
+    # ----------------------------------------------------------------- requests
+    async def add(self, requests: list[Request]) -> GroupStream:
+        """Submit one client request's choices; returns once the engine admitted them.
+
+        Raises ``RequestRejected`` (from the core) or ``EngineDeadError``.
+        """
+        if not requests:
+            raise ValueError("add() needs at least one request")
+        if not self.is_alive or self._loop is None:
+            raise self._dead_error or EngineDeadError("the engine is not running")
+        group_id = requests[0].group_id
+        if group_id in self._streams:
+            raise ValueError(f"duplicate group id {group_id!r}")
+        stream = GroupStream(self, group_id, len(requests))
+        admitted: asyncio.Future[None] = self._loop.create_future()
+        with self._inbox.cond:
+            # Checked under the lock the dying thread takes to fail pending adds, so an
+            # add can never slip in after that and wait forever.
+            if self._dead_error is not None or self._inbox.stopping:
+                raise self._dead_error or EngineDeadError("the engine is shutting down")
+            self._streams[group_id] = stream
+            self._inbox.adds.append(_AddCommand(requests, admitted))
+            self._inbox.cond.notify()
+        try:
+            await admitted
+        except BaseException:
+            # Rejected, or the caller was cancelled while waiting: make sure nothing of
+            # the group stays in the engine.
+            self._release(group_id, abort=not admitted.done() or admitted.cancelled())
+            raise
+        return stream
+
+    async def generate(self, requests: list[Request]) -> AsyncIterator[RequestDelta]:
+        """Submit and iterate in one go; leaving the loop early aborts the request."""
+        stream = await self.add(requests)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            stream.close()
+
+    def abort(self, group_id: str) -> None:
+        """Abort a group (thread-safe); its blocks are freed at the next step."""
+        self._release(group_id, abort=True)
+
+    def _release(self, group_id: str, *, abort: bool) -> None:
+        self._streams.pop(group_id, None)
+        if abort:
+            with self._inbox.cond:
+                self._inbox.aborts.append(group_id)
+                self._inbox.cond.notify()
+
+    # ----------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        try:
+            while self._wait_for_work():
+                self._drain_inbox()
+                if self.core.has_unfinished():
+                    deltas = self.core.step()
+                    if deltas:
+                        self._post(self._dispatch, deltas)
+        except Exception as exc:  # a failed step kills the engine; tell everyone why
+            logger.exception("engine step failed; the engine is now dead")
+            self._dead_error = EngineDeadError(f"engine failed: {type(exc).__name__}: {exc}")
+            with self._inbox.cond:
+                adds, self._inbox.adds = self._inbox.adds, []
+            for command in adds:
+                self._post(_fail_future, command.admitted, self._dead_error)
+            self._post(self._fail_all, self._dead_error)
+
+    def _wait_for_work(self) -> bool:
+        """Block until there is something to do; False once shutdown is requested."""
+        with self._inbox.cond:
+            while not (self._inbox.stopping or self._inbox.has_work()):
+                if self.core.has_unfinished():
+                    return True
+                self._inbox.cond.wait()
+            if self._inbox.stopping:
+                self._drain_locked_aborts()
+                return False
+            return True
+
+    def _drain_locked_aborts(self) -> None:
+        aborts, self._inbox.aborts = self._inbox.aborts, []
+        adds, self._inbox.adds = self._inbox.adds, []
+        for group_id in aborts:
+            self.core.abort(group_id)
+        for command in adds:
+            self._post(_fail_future, command.admitted, EngineDeadError("the engine shut down"))
+
+    def _drain_inbox(self) -> None:
+        with self._inbox.cond:
+            adds, self._inbox.adds = self._inbox.adds, []
+            aborts, self._inbox.aborts = self._inbox.aborts, []
+        # Adds before aborts: a request cancelled while still queued here is admitted and
+        # dropped in the same drain, before any step schedules it.
+        for command in adds:
+            try:
+                self.core.add_request(command.requests)
+            except Exception as exc:  # RequestRejected or a bug: the caller sees it
+                self._post(_fail_future, command.admitted, exc)
+            else:
+                self._post(_resolve_future, command.admitted)
+        for group_id in aborts:
+            self.core.abort(group_id)
+
+    def _post(self, callback: Callable[..., None], *args: object) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop closed between the check and the call
+            pass
+
+    # ----------------------------------------------------------------- event-loop side
+    def _dispatch(self, deltas: list[RequestDelta]) -> None:
+        by_group: dict[str, list[RequestDelta]] = {}
+        for delta in deltas:
+            by_group.setdefault(delta.group_id, []).append(delta)
+        for group_id, group_deltas in by_group.items():
+            stream = self._streams.get(group_id)
+            if stream is not None:
+                stream._deliver(group_deltas)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        for stream in list(self._streams.values()):
+            stream._deliver(error)
+
+
+def _resolve_future(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _fail_future(future: asyncio.Future[None], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -1,0 +1,113 @@
+"""Incremental detokenisation and stop-string matching for streamed choices.
+
+Two small pieces that the routes chain per choice:
+
+* ``IncrementalDetokenizer`` turns token ids, arriving a few at a time, into text that is
+  final: it never emits half of a multi-byte character (byte-level BPE tokens can split a
+  UTF-8 sequence, which decodes to U+FFFD until the rest arrives) and keeps tokenizers
+  whose decoding depends on the left context (SentencePiece's leading spaces) correct by
+  decoding a short sliding window instead of single tokens.
+* ``StopStringMatcher`` holds back the last ``len(longest stop) - 1`` characters so a stop
+  string that spans two chunks is still caught before any of it is emitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+REPLACEMENT_CHAR = "\ufffd"
+# Tokens decoded before the first new one, so the window starts with real left context.
+_CONTEXT_TOKENS = 5
+
+
+class Decoder(Protocol):
+    """The part of a Hugging Face tokenizer the detokenizer needs."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Accumulates one choice's output ids and yields newly final text.
+
+    ``prefix_offset``..``read_offset`` is the window of already emitted tokens decoded
+    together with the new ones; the text beyond the window's own decoding is the new
+    text. Text ending in U+FFFD is held back until the character completes.
+    """
+
+    def __init__(self, decoder: Decoder, *, skip_special_tokens: bool = True) -> None:
+        self._decoder = decoder
+        self._skip_special = skip_special_tokens
+        self.token_ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def push(self, new_token_ids: Sequence[int]) -> str:
+        """Add tokens; return the text that became final (possibly empty)."""
+        self.token_ids.extend(new_token_ids)
+        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self.token_ids[self._prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        new_text = full_text[len(prefix_text) :]
+        self._read_offset = len(self.token_ids)
+        self._prefix_offset = max(0, self._read_offset - _CONTEXT_TOKENS)
+        return new_text
+
+    def flush(self) -> str:
+        """Return whatever is still held back, incomplete characters included."""
+        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self.token_ids[self._prefix_offset :])
+        self._read_offset = len(self.token_ids)
+        self._prefix_offset = self._read_offset
+        return full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        return self._decoder.decode(ids, skip_special_tokens=self._skip_special)
+
+
+@dataclass(frozen=True)
+class StopMatch:
+    """What a feed produced: text safe to emit, and whether a stop string ended it."""
+
+    text: str
+    stopped: bool = False
+
+
+class StopStringMatcher:
+    """Cuts the output at the first occurrence of any stop string, never emitting it."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self._stops = tuple(s for s in stop if s)
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._pending = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> StopMatch:
+        """Add text; return what can be emitted now. After a stop, everything is dropped."""
+        if self.stopped:
+            return StopMatch("", stopped=True)
+        buffer = self._pending + text
+        cut = self._first_stop(buffer)
+        if cut is not None:
+            self.stopped = True
+            self._pending = ""
+            return StopMatch(buffer[:cut], stopped=True)
+        keep = min(self._hold, len(buffer))
+        emit_len = len(buffer) - keep
+        self._pending = buffer[emit_len:]
+        return StopMatch(buffer[:emit_len])
+
+    def flush(self) -> str:
+        """The held-back tail, once the choice has ended for another reason."""
+        if self.stopped:
+            return ""
+        tail, self._pending = self._pending, ""
+        return tail
+
+    def _first_stop(self, buffer: str) -> int | None:
+        positions = [i for i in (buffer.find(s) for s in self._stops) if i >= 0]
+        return min(positions) if positions else None

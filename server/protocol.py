@@ -1,0 +1,225 @@
+"""OpenAI-compatible request models (pydantic 2), validated strictly.
+
+Rules: wrong types are errors (no "5" -> 5 coercion), unknown fields are errors, and
+fields we know but do not implement get a 400 that names them. The only fields accepted
+without effect on the output are ``user`` (an end-user label for abuse tracking) and
+``stream_options`` when there is no usage to report; both are documented here.
+
+Beyond OpenAI, the vLLM sampling extensions are honoured: ``top_k``, ``min_p``,
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``priority``
+(lower is more important) and ``stream_options.continuous_usage_stats``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+
+# Known OpenAI fields kvserve does not implement: a request using them is refused with a
+# message naming the field instead of being answered as if they were honoured.
+UNSUPPORTED_CHAT_FIELDS = (
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "audio",
+    "modalities",
+    "prediction",
+    "web_search_options",
+    "reasoning_effort",
+    "logit_processors",
+)
+UNSUPPORTED_COMPLETION_FIELDS = ("suffix",)
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _reject_unsupported(data: Any, fields: tuple[str, ...]) -> None:
+    if not isinstance(data, dict):
+        return
+    for name in fields:
+        if name in data and data[name] is not None:
+            raise ValueError(f"'{name}' is not supported by this server")
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(StrictModel):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, le=2**31)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    n: int = Field(1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+
+    @model_validator(mode="after")
+    def _check_common(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("'stream_options' is only allowed when 'stream' is true")
+        for text in self.stop_strings:
+            if not text:
+                raise ValueError("'stop' strings must not be empty")
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"'stop' accepts at most {MAX_STOP_STRINGS} strings")
+        for value in (self.logit_bias or {}).values():
+            if not -100.0 <= value <= 100.0:
+                raise ValueError("'logit_bias' values must be in [-100, 100]")
+        return self
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        """The message's text; content parts are joined with newlines."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ResponseFormat(StrictModel):
+    type: str
+
+    @model_validator(mode="after")
+    def _only_text(self) -> ResponseFormat:
+        if self.type != "text":
+            raise ValueError(f"'response_format' of type '{self.type}' is not supported")
+        return self
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        _reject_unsupported(data, UNSUPPORTED_CHAT_FIELDS)
+        return data
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("'top_logprobs' requires 'logprobs' to be true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            if self.max_tokens != self.max_completion_tokens:
+                raise ValueError("give 'max_tokens' or 'max_completion_tokens', not both")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None (off) or how many alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptInput
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = Field(None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        _reject_unsupported(data, UNSUPPORTED_COMPLETION_FIELDS)
+        return data
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("'best_of' other than 'n' is not supported")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("'prompt' must not be an empty list")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("'echo' together with 'logprobs' is not supported")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class TokenizeRequest(StrictModel):
+    """vLLM's /tokenize: either a raw ``prompt`` or chat ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        if self.messages is not None and not self.messages:
+            raise ValueError("'messages' must not be empty")
+        return self
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,41 @@
+"""Server-side settings (the HTTP layer's half of the CLI; the engine's half is EngineArgs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How the HTTP front end behaves.
+
+    ``served_model_names`` are the ids clients may put in ``model`` (the first is the one
+    reported in responses); empty means "use the model's own name". ``api_key`` None
+    disables auth. ``protect_open_endpoints`` puts /health, /version and /metrics behind
+    the key as well.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: tuple[str, ...] = ()
+    api_key: str | None = None
+    protect_open_endpoints: bool = False
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    shutdown_timeout_s: float = 30.0
+    retry_after_s: int = 1
+    max_n: int = 16
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port must be in [0, 65535]")
+        if self.max_request_body_bytes < 1:
+            raise ValueError("max_request_body_bytes must be >= 1")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError("shutdown_timeout_s must be >= 0")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (use None to disable auth)")
+        if self.max_n < 1:
+            raise ValueError("max_n must be >= 1")
