@@ -1,0 +1,351 @@
+"""Prometheus metrics for GET /metrics.
+
+Two sources feed one registry per server instance (no module-level globals):
+
+* Engine state (KV blocks, bytes, queue lengths, engine counters) is read from the
+  engine's immutable ``EngineStats`` snapshot at scrape time by a custom collector, so a
+  scrape only copies a few numbers and never holds the engine loop.
+* Per-request latencies and lengths are histograms observed by the server through
+  ``ServerMetrics.observe_request`` when a choice finishes.
+
+Names follow Prometheus conventions: prefix ``kvserve_``, units in the name, counters
+ending in ``_total`` and a ``model_name`` label on every series. docs/METRICS.md lists
+every name; dashboards and alert rules in deploy/ depend on them, so keep them stable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Histogram,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from engine.kv import accounting
+from engine.kv.accounting import KVShape
+from engine.outputs import EngineStats, PoolStats
+
+PREFIX = "kvserve_"
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
+# Reasons known up front are exported as zero so rate() queries have a series to work on.
+REJECT_REASONS: tuple[str, ...] = ("too_long", "no_capacity", "queue_full", "invalid")
+PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap")
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+TOKEN_BUCKETS = tuple(float(2**i) for i in range(0, 18))  # 1 .. 131072 tokens
+BLOCK_BUCKETS = tuple(float(2**i) for i in range(0, 15))  # 1 .. 16384 blocks
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished choice of a client request, as recorded by the server."""
+
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int
+    generation_tokens: int
+    cached_tokens: int
+    queue_time_s: float | None
+    ttft_s: float | None
+    e2e_s: float
+    itl_s: tuple[float, ...]  # inter-token latencies of this choice
+    kv_blocks: int  # device blocks held at finish
+
+
+class EngineStatsCollector(Collector):
+    """Turns one ``EngineStats`` snapshot per scrape into gauge and counter families."""
+
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        stats_fn: Callable[[], EngineStats],
+        kv_shape: KVShape | None,
+        weight_bytes: int,
+        health_fn: Callable[[], bool] | None,
+    ) -> None:
+        self._model = model_name
+        self._stats_fn = stats_fn
+        self._kv_shape = kv_shape
+        self._weight_bytes = weight_bytes
+        self._health_fn = health_fn
+
+    def describe(self) -> Iterable[Metric]:
+        # Registering must not call into the engine; names are documented in METRICS.md.
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            stats = self._stats_fn()
+        except Exception:
+            # A dead engine must not break /metrics: report it unhealthy and nothing else.
+            yield self._gauge("engine_healthy", "1 when the engine loop is alive.", 0)
+            return
+        healthy = self._health_fn() if self._health_fn is not None else True
+        yield self._gauge("engine_healthy", "1 when the engine loop is alive.", int(healthy))
+        yield from self._block_families(stats)
+        yield from self._byte_families(stats)
+        yield from self._request_families(stats)
+        yield from self._counter_families(stats)
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([self._model], value)
+        return family
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([self._model], value)
+        return family
+
+    def _block_families(self, stats: EngineStats) -> Iterator[Metric]:
+        by_state = GaugeMetricFamily(
+            PREFIX + "kv_cache_blocks",
+            "KV blocks by pool and state; used + free + cached = capacity.",
+            labels=["model_name", "pool", "state"],
+        )
+        capacity = GaugeMetricFamily(
+            PREFIX + "kv_cache_capacity_blocks",
+            "KV blocks in the pool.",
+            labels=["model_name", "pool"],
+        )
+        pools: tuple[tuple[str, PoolStats], ...] = (
+            ("device", stats.device_blocks),
+            ("host", stats.host_blocks),
+        )
+        for pool, blocks in pools:
+            capacity.add_metric([self._model, pool], blocks.total)
+            for state in ("used", "free", "cached"):
+                by_state.add_metric([self._model, pool, state], getattr(blocks, state))
+        yield by_state
+        yield capacity
+        yield self._gauge(
+            "kv_cache_usage_ratio", "Used / total device KV blocks.", stats.usage_ratio
+        )
+        yield self._gauge("kv_cache_block_size_tokens", "Tokens per KV block.", stats.block_size)
+
+    def _byte_families(self, stats: EngineStats) -> Iterator[Metric]:
+        yield self._gauge(
+            "kv_cache_live_tokens",
+            "Tokens with K/V in device blocks, summed over live sequences.",
+            stats.live_tokens,
+        )
+        yield self._gauge(
+            "kv_cache_payload_bytes",
+            "Logical KV payload of the live tokens: 2*L*H_kv*d*t*b.",
+            stats.payload_bytes,
+        )
+        yield self._gauge(
+            "kv_cache_allocated_bytes",
+            "Used device blocks x bytes per block.",
+            stats.allocated_bytes,
+        )
+        yield self._gauge(
+            "kv_cache_padding_bytes",
+            "Allocated + shared - payload: unused slots in partly filled blocks.",
+            stats.padding_bytes,
+        )
+        yield self._gauge(
+            "kv_cache_shared_bytes",
+            "Bytes saved by blocks shared through prefix caching or n > 1 forks.",
+            stats.shared_bytes,
+        )
+        memory = GaugeMetricFamily(
+            PREFIX + "device_memory_bytes",
+            "Device memory held by the model weights and by the KV block pool.",
+            labels=["model_name", "component"],
+        )
+        memory.add_metric([self._model, "weights"], self._weight_bytes)
+        if self._kv_shape is not None:
+            pool_bytes = accounting.allocated_bytes(
+                self._kv_shape, stats.device_blocks.total, stats.block_size
+            )
+            memory.add_metric([self._model, "kv_cache"], pool_bytes)
+        yield memory
+        if self._kv_shape is not None:
+            host_bytes = accounting.allocated_bytes(
+                self._kv_shape, stats.host_blocks.total, stats.block_size
+            )
+            yield self._gauge(
+                "host_kv_cache_memory_bytes", "Host memory of the offload pool.", host_bytes
+            )
+
+    def _request_families(self, stats: EngineStats) -> Iterator[Metric]:
+        yield self._gauge(
+            "num_requests_running", "Sequences in the running batch.", stats.num_running
+        )
+        yield self._gauge(
+            "num_requests_waiting", "Sequences waiting for admission.", stats.num_waiting
+        )
+        yield self._gauge(
+            "num_requests_swapped", "Sequences swapped out to the host pool.", stats.num_swapped
+        )
+
+    def _counter_families(self, stats: EngineStats) -> Iterator[Metric]:
+        yield self._counter(
+            "prompt_tokens", "Prompt tokens added to the engine.", stats.prompt_tokens_total
+        )
+        yield self._counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)
+        yield self._counter(
+            "prefix_cache_queried_tokens",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.prefix_cache_queries_total,
+        )
+        yield self._counter(
+            "prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache.",
+            stats.prefix_cache_hits_total,
+        )
+        yield self._counter("engine_steps", "Engine steps executed.", stats.steps_total)
+        preemptions = CounterMetricFamily(
+            PREFIX + "preemptions",
+            "Sequences preempted, by mode (recompute or swap).",
+            labels=["model_name", "mode"],
+        )
+        modes = dict.fromkeys(PREEMPTION_MODES, 0) | stats.preemptions_total
+        for mode, count in sorted(modes.items()):
+            preemptions.add_metric([self._model, mode], count)
+        yield preemptions
+        yield from self._swap_families(stats)
+
+    def _swap_families(self, stats: EngineStats) -> Iterator[Metric]:
+        swapped = (("out", stats.blocks_swapped_out_total), ("in", stats.blocks_swapped_in_total))
+        for direction, blocks in swapped:
+            yield self._counter(
+                f"kv_blocks_swapped_{direction}",
+                f"KV blocks copied {direction} between device and host pools.",
+                blocks,
+            )
+        if self._kv_shape is None:
+            return
+        swap_bytes = CounterMetricFamily(
+            PREFIX + "kv_swapped_bytes",
+            "KV bytes copied between device and host pools, by direction.",
+            labels=["model_name", "direction"],
+        )
+        for direction, blocks in swapped:
+            moved = accounting.allocated_bytes(self._kv_shape, blocks, stats.block_size)
+            swap_bytes.add_metric([self._model, direction], moved)
+        yield swap_bytes
+
+
+class CacheInfoCollector(Collector):
+    """``kvserve_cache_config_info``: the cache configuration as labels on a constant 1."""
+
+    def __init__(self, model_name: str, info: dict[str, str]) -> None:
+        self._labels = {"model_name": model_name, **info}
+
+    def collect(self) -> Iterable[Metric]:
+        family = InfoMetricFamily(PREFIX + "cache_config", "KV cache configuration.")
+        family.add_metric([], self._labels)
+        yield family
+
+
+class ServerMetrics:
+    """All metrics of one server, in a registry of its own; ``render()`` serves a scrape."""
+
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        stats_fn: Callable[[], EngineStats],
+        cache_info: dict[str, str],
+        kv_shape: KVShape | None = None,
+        weight_bytes: int = 0,
+        health_fn: Callable[[], bool] | None = None,
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._model = model_name
+        self.registry.register(
+            EngineStatsCollector(
+                model_name=model_name,
+                stats_fn=stats_fn,
+                kv_shape=kv_shape,
+                weight_bytes=weight_bytes,
+                health_fn=health_fn,
+            )
+        )
+        self.registry.register(CacheInfoCollector(model_name, _cache_labels(cache_info, kv_shape)))
+        self._finished = self._labelled_counter(
+            "requests_finished", "Request choices finished, by finish_reason.", "finish_reason"
+        )
+        self._rejected = self._labelled_counter(
+            "requests_rejected", "Requests rejected before running, by reason.", "reason"
+        )
+        for reason in FINISH_REASONS:
+            self._finished.labels(model_name, reason)
+        for reason in REJECT_REASONS:
+            self._rejected.labels(model_name, reason)
+        self._ttft = self._histogram(
+            "time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS_S
+        )
+        self._itl = self._histogram(
+            "inter_token_latency_seconds", "Time between consecutive tokens.", ITL_BUCKETS_S
+        )
+        self._e2e = self._histogram(
+            "e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS_S
+        )
+        self._queue = self._histogram(
+            "request_queue_time_seconds", "Arrival to first schedule.", LATENCY_BUCKETS_S
+        )
+        self._prompt_len = self._histogram(
+            "request_prompt_tokens", "Prompt length per request.", TOKEN_BUCKETS
+        )
+        self._generation_len = self._histogram(
+            "request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
+        )
+        self._kv_blocks = self._histogram(
+            "request_kv_blocks", "Device KV blocks a request held at finish.", BLOCK_BUCKETS
+        )
+
+    def _labelled_counter(self, name: str, doc: str, label: str) -> Counter:
+        return Counter(PREFIX + name, doc, ["model_name", label], registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        family = Histogram(
+            PREFIX + name, doc, ["model_name"], buckets=buckets, registry=self.registry
+        )
+        return family.labels(self._model)
+
+    def observe_request(self, record: RequestRecord) -> None:
+        """Record one finished choice: finish reason, latencies and lengths."""
+        self._finished.labels(self._model, record.finish_reason).inc()
+        if record.ttft_s is not None:
+            self._ttft.observe(record.ttft_s)
+        if record.queue_time_s is not None:
+            self._queue.observe(record.queue_time_s)
+        for gap in record.itl_s:
+            self._itl.observe(gap)
+        self._e2e.observe(record.e2e_s)
+        self._prompt_len.observe(record.prompt_tokens)
+        self._generation_len.observe(record.generation_tokens)
+        self._kv_blocks.observe(record.kv_blocks)
+
+    def count_rejected(self, reason: str) -> None:
+        """Count a request refused before it ran (too_long, queue_full, invalid, auth...)."""
+        self._rejected.labels(self._model, reason).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition body and its content type, for GET /metrics."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _cache_labels(cache_info: dict[str, str], kv_shape: KVShape | None) -> dict[str, str]:
+    """The server's cache description, completed with per-token and per-block bytes."""
+    labels = {key: str(value) for key, value in cache_info.items()}
+    if kv_shape is not None:
+        labels.setdefault("bytes_per_token", str(accounting.bytes_per_token(kv_shape)))
+        labels.setdefault("kv_cache_dtype", kv_shape.kv_dtype)
+        block_size = labels.get("block_size")
+        if block_size is not None and block_size.isdigit():
+            per_block = accounting.bytes_per_block(kv_shape, int(block_size))
+            labels.setdefault("bytes_per_block", str(per_block))
+    return labels
