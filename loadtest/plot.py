@@ -1,0 +1,138 @@
+"""The one-page PNG report (matplotlib, Agg backend: no display needed).
+
+Top row, over time: KV cache usage, requests running/waiting/swapped, output throughput.
+Bottom row: TTFT and inter-token latency distributions, and the server's preemption,
+swap and prefix-cache counters over time. Panels without data say so instead of vanishing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # the Agg backend is chosen above, before pyplot loads
+from matplotlib.axes import Axes
+
+Samples = Sequence[dict[str, float]]
+
+
+def _no_data(ax: Axes, message: str) -> None:
+    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def _series(ax: Axes, samples: Samples, key: str, label: str, scale: float = 1.0) -> bool:
+    points = [(s["t"], s[key] * scale) for s in samples if key in s]
+    if not points:
+        return False
+    ax.plot([t for t, _ in points], [v for _, v in points], label=label)
+    return True
+
+
+def _counter_series(ax: Axes, samples: Samples, key: str, label: str) -> bool:
+    points = [(s["t"], s[key]) for s in samples if key in s]
+    if not points:
+        return False
+    base = points[0][1]
+    ax.plot([t for t, _ in points], [v - base for _, v in points], label=label)
+    return True
+
+
+def _kv_panel(ax: Axes, samples: Samples) -> None:
+    ax.set_title("KV cache usage (server)")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("% of device blocks")
+    if not _series(ax, samples, "kv_usage_ratio", "device", 100.0):
+        _no_data(ax, "no KV usage metric")
+        return
+    ax.set_ylim(0, 105)
+
+
+def _queue_panel(ax: Axes, samples: Samples) -> None:
+    ax.set_title("Requests in the server")
+    ax.set_xlabel("time (s)")
+    drawn = [
+        _series(ax, samples, key, label)
+        for key, label in (
+            ("num_running", "running"),
+            ("num_waiting", "waiting"),
+            ("num_swapped", "swapped"),
+        )
+    ]
+    if any(drawn):
+        ax.legend(loc="upper right", fontsize="small")
+    else:
+        _no_data(ax, "no running/waiting metrics")
+
+
+def _throughput_panel(ax: Axes, series: Sequence[dict[str, float]]) -> None:
+    ax.set_title("Output throughput (client)")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("tokens/s")
+    if not series:
+        _no_data(ax, "no tokens received")
+        return
+    ax.plot([p["t"] for p in series], [p["output_tokens_per_s"] for p in series])
+
+
+def _histogram(ax: Axes, values_s: Sequence[float], title: str) -> None:
+    ax.set_title(title)
+    ax.set_xlabel("ms")
+    if not values_s:
+        _no_data(ax, "no samples")
+        return
+    values_ms = sorted(v * 1000 for v in values_s)
+    ax.hist(values_ms, bins=min(50, max(5, len(values_ms) // 4)))
+    for q, style in ((0.5, "--"), (0.99, ":")):
+        mark = values_ms[min(len(values_ms) - 1, int(q * len(values_ms)))]
+        ax.axvline(mark, color="black", linestyle=style, label=f"p{int(q * 100)} {mark:.0f} ms")
+    ax.legend(fontsize="small")
+
+
+def _events_panel(ax: Axes, samples: Samples) -> None:
+    ax.set_title("Preemptions, swaps, prefix hits (increase)")
+    ax.set_xlabel("time (s)")
+    drawn = [
+        _counter_series(ax, samples, key, label)
+        for key, label in (
+            ("preemptions_total", "preemptions"),
+            ("blocks_swapped_out_total", "blocks swapped out"),
+            ("blocks_swapped_in_total", "blocks swapped in"),
+            ("prefix_cache_hits_total", "prefix-cache hit tokens"),
+        )
+    ]
+    if any(drawn):
+        ax.set_yscale("symlog")
+        ax.legend(loc="upper left", fontsize="small")
+    else:
+        _no_data(ax, "no preemption/swap/prefix metrics")
+
+
+def plot_report(document: dict[str, Any], path: Path) -> None:
+    """Draw the report of a run's JSON document into ``path`` (PNG)."""
+    samples = document["timeseries"]["server_metrics"]
+    latency_records = [r for r in document["requests"] if r["status"] == "ok"]
+    ttfts = [r["ttft"] for r in latency_records if r["ttft"] is not None]
+    itls = [b - a for r in latency_records for a, b in itertools.pairwise(r["chunk_times"])]
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
+    _kv_panel(axes[0][0], samples)
+    _queue_panel(axes[0][1], samples)
+    _throughput_panel(axes[0][2], document["timeseries"]["throughput"])
+    _histogram(axes[1][0], ttfts, "Time to first token")
+    _histogram(axes[1][1], itls, "Inter-token latency")
+    _events_panel(axes[1][2], samples)
+    summary = document["summary"]
+    fig.suptitle(
+        f"{document['target']['model']} @ {document['target']['url']}  |  "
+        f"{document['config']['concurrency']} conversations x {document['config']['turns']} turns"
+        f"  |  {summary['throughput']['output_tokens_per_s']:.1f} out tok/s  |  "
+        f"{summary['requests']['completed']} ok, {summary['requests']['failed']} failed"
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

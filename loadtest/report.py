@@ -1,0 +1,88 @@
+"""The run's outputs: a JSON result, a one-page PNG report and a short text summary."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from loadtest.runner import RunResult
+from loadtest.scrape import COUNTER_KEYS, METRICS
+from loadtest.stats import metric_deltas, metric_peaks, summarize, throughput_series
+
+GAUGE_KEYS: tuple[str, ...] = tuple(m.key for m in METRICS if m.key not in COUNTER_KEYS)
+JSON_SCHEMA_VERSION = 1
+
+
+def build_result(result: RunResult) -> dict[str, Any]:
+    """The JSON document of a run: config, summary, server metrics, series, requests."""
+    ok = [r for r in result.records if r.ok]
+    summary = summarize(result.records, result.duration_s, result.config.slo)
+    config = dataclasses.asdict(result.config)
+    config["user_len"] = result.config.user_len.describe()
+    config.pop("api_key", None)  # never write a credential into a result file
+    return {
+        "schema_version": JSON_SCHEMA_VERSION,
+        "started_at": result.started_at,
+        "target": {"url": result.config.base_url, "model": result.model},
+        "config": config,
+        "stopped_by": result.stopped_by,
+        "summary": summary,
+        "server_metrics": {
+            "available": result.metrics_available,
+            "increase": metric_deltas(result.metric_samples, COUNTER_KEYS),
+            "peak": metric_peaks(result.metric_samples, GAUGE_KEYS),
+        },
+        "timeseries": {
+            "throughput": throughput_series(ok, result.duration_s),
+            "server_metrics": result.metric_samples,
+        },
+        "requests": [r.to_json() for r in result.records],
+    }
+
+
+def write_json(document: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=1) + "\n")
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f} ms"
+
+
+def format_summary(document: dict[str, Any]) -> str:
+    """A few lines a person reads after the run."""
+    summary = document["summary"]
+    requests, tokens = summary["requests"], summary["tokens"]
+    throughput, latency, goodput = summary["throughput"], summary["latency_s"], summary["goodput"]
+    lines = [
+        f"target {document['target']['url']}  model {document['target']['model']}  "
+        f"stopped by {document['stopped_by']}  {summary['duration_s']:.1f} s",
+        f"requests  {requests['completed']} ok, {requests['failed']} failed "
+        f"({requests['error_rate']:.1%}), {requests['cancelled']} cancelled"
+        + (f"  {requests['errors_by_status']}" if requests["errors_by_status"] else ""),
+        f"tokens    prompt {tokens['prompt']}  output {tokens['output']}"
+        + (f"  cached prompt {tokens['cached_prompt']}" if tokens["cached_prompt"] else ""),
+        f"throughput  {throughput['output_tokens_per_s']:.1f} out tok/s  "
+        f"{throughput['total_tokens_per_s']:.1f} total tok/s  "
+        f"{throughput['request_rate']:.2f} req/s",
+    ]
+    for name in ("ttft", "itl", "e2e"):
+        dist = latency[name]
+        lines.append(
+            f"{name:<5} p50 {_ms(dist['p50'])}  p90 {_ms(dist['p90'])}  "
+            f"p99 {_ms(dist['p99'])}  (n={dist['count']})"
+        )
+    slo = goodput["slo"]
+    lines.append(
+        f"goodput  {goodput['fraction']:.1%} of requests within TTFT<={slo['ttft_s']}s, "
+        f"ITL<={slo['itl_s']}s  ({goodput['output_tokens_per_s']:.1f} out tok/s)"
+    )
+    server = document["server_metrics"]
+    if server["available"]:
+        shown = {**server["increase"], **server["peak"]}
+        lines.append("server   " + "  ".join(f"{k} {v:g}" for k, v in sorted(shown.items())))
+    else:
+        lines.append("server   no Prometheus /metrics found")
+    return "\n".join(lines)

@@ -1,0 +1,337 @@
+"""The load tester against a fake OpenAI-compatible server with known delays.
+
+The fake server streams ``max_tokens`` one-word tokens: the first after ``TTFT_S``, the
+rest ``ITL_S`` apart, and reports usage (prompt tokens = words sent, cached = words of
+all but the last message). The statistics the tool derives must match those delays:
+sleeps never end early, so lower bounds are tight; upper bounds leave room for a shared,
+busy CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from loadtest.__main__ import main
+from loadtest.config import SLO, LengthDist, LoadTestConfig
+from loadtest.report import build_result
+from loadtest.runner import run_loadtest
+
+TTFT_S = 0.2
+ITL_S = 0.03
+MAX_TOKENS = 12
+E2E_S = TTFT_S + (MAX_TOKENS - 1) * ITL_S
+SLACK_S = 0.15  # scheduling noise allowed on a shared 2-core machine
+
+
+@dataclass
+class FakeBehaviour:
+    ttft_s: float = TTFT_S
+    itl_s: float = ITL_S
+    report_usage: bool = True
+    fail_every: int = 0  # every Nth request answers 500 (0: never)
+    metrics: bool = True
+    requests_seen: int = 0
+    running: int = 0
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    auth_headers: list[str | None] = field(default_factory=list)
+
+
+def _words(messages: list[dict[str, str]]) -> int:
+    return sum(len(m["content"].split()) for m in messages)
+
+
+def _chunk(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+async def _stream(body: dict[str, Any], state: FakeBehaviour) -> AsyncIterator[str]:
+    state.running += 1
+    try:
+        yield _chunk({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+        await asyncio.sleep(state.ttft_s)
+        for i in range(body["max_tokens"]):
+            if i:
+                await asyncio.sleep(state.itl_s)
+            yield _chunk({"choices": [{"index": 0, "delta": {"content": f"w{i} "}}]})
+        yield _chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+        if state.report_usage and body.get("stream_options", {}).get("include_usage"):
+            usage = {
+                "prompt_tokens": _words(body["messages"]),
+                "completion_tokens": body["max_tokens"],
+                "prompt_tokens_details": {"cached_tokens": _words(body["messages"][:-1])},
+            }
+            yield _chunk({"choices": [], "usage": usage})
+        yield "data: [DONE]\n\n"
+    finally:
+        state.running -= 1
+
+
+def fake_app(state: FakeBehaviour) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = await request.json()
+        state.bodies.append(body)
+        state.auth_headers.append(request.headers.get("authorization"))
+        state.requests_seen += 1
+        if state.fail_every and state.requests_seen % state.fail_every == 0:
+            return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
+        return StreamingResponse(_stream(body, state), media_type="text/event-stream")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if not state.metrics:
+            return PlainTextResponse("not found", status_code=404)
+        text = (
+            "# TYPE kvserve_kv_cache_usage_ratio gauge\n"
+            f"kvserve_kv_cache_usage_ratio {state.running / 10}\n"
+            "# TYPE kvserve_num_requests_running gauge\n"
+            f"kvserve_num_requests_running {state.running}\n"
+            "# TYPE kvserve_num_requests_waiting gauge\n"
+            "kvserve_num_requests_waiting 0\n"
+            "# TYPE kvserve_preemptions_total counter\n"
+            f'kvserve_preemptions_total{{mode="recompute"}} {state.requests_seen}\n'
+            f'kvserve_preemptions_total{{mode="swap"}} {2 * state.requests_seen}\n'
+        )
+        return PlainTextResponse(text)
+
+    return app
+
+
+@pytest.fixture
+def fake_server() -> Iterator[tuple[str, FakeBehaviour]]:
+    state = FakeBehaviour()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(fake_app(state), log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "fake server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", state
+    server.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+
+
+def _run(config: LoadTestConfig) -> dict[str, Any]:
+    return build_result(asyncio.run(run_loadtest(config, progress=False)))
+
+
+def test_statistics_match_injected_delays(fake_server: tuple[str, FakeBehaviour]) -> None:
+    url, state = fake_server
+    config = LoadTestConfig(
+        url=url,
+        concurrency=4,
+        turns=3,
+        max_tokens=MAX_TOKENS,
+        user_len=LengthDist("fixed", 10),
+        scrape_interval_s=0.1,
+    )
+    doc = _run(config)
+    summary = doc["summary"]
+    assert summary["requests"] == {
+        "completed": 12,
+        "failed": 0,
+        "cancelled": 0,
+        "error_rate": 0.0,
+        "errors_by_status": {},
+        "usage_reported": 12,
+    }
+    latency = summary["latency_s"]
+    assert TTFT_S <= latency["ttft"]["p50"] <= TTFT_S + SLACK_S
+    assert ITL_S <= latency["itl"]["p50"] <= ITL_S + SLACK_S / 3
+    assert latency["itl"]["count"] == 12 * (MAX_TOKENS - 1)
+    assert E2E_S <= latency["e2e"]["p50"] <= E2E_S + SLACK_S
+    assert ITL_S <= latency["tpot"]["p50"] <= ITL_S + SLACK_S / 3
+    assert summary["tokens"]["output"] == 12 * MAX_TOKENS
+    # Closed loop: three turns back to back, all four conversations in parallel.
+    assert 3 * E2E_S <= summary["duration_s"] <= 3 * (E2E_S + SLACK_S) + 0.5
+    expected_rate = 12 * MAX_TOKENS / summary["duration_s"]
+    assert summary["throughput"]["output_tokens_per_s"] == pytest.approx(expected_rate)
+    prompt_words = sum(_words(body["messages"]) for body in state.bodies)
+    assert summary["tokens"]["prompt"] == prompt_words
+    # Cached prompt tokens are passed through from usage.prompt_tokens_details.
+    assert summary["tokens"]["cached_prompt"] == sum(
+        _words(body["messages"][:-1]) for body in state.bodies
+    )
+
+
+def test_each_turn_resends_the_whole_history(fake_server: tuple[str, FakeBehaviour]) -> None:
+    url, state = fake_server
+    _run(LoadTestConfig(url=url, concurrency=2, turns=3, max_tokens=3, system_prompt_len=5))
+    assert len(state.bodies) == 6
+    by_conversation: dict[str, list[list[dict[str, str]]]] = {}
+    for body in state.bodies:
+        assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+        assert body["model"] == "fake-model" and "ignore_eos" not in body
+        first_user = body["messages"][1]["content"]
+        by_conversation.setdefault(first_user, []).append(body["messages"])
+    assert len(by_conversation) == 2
+    for histories in by_conversation.values():
+        assert [len(h) for h in histories] == [2, 4, 6]  # system + (user, assistant) pairs
+        assert histories[2][:4] == histories[1]  # the previous request, whole
+        assert histories[2][4]["content"] == "w0 w1 w2 "  # turn 2's streamed reply, appended
+        assert all(h[0]["role"] == "system" for h in histories)
+
+
+def test_goodput_counts_requests_within_the_slo(fake_server: tuple[str, FakeBehaviour]) -> None:
+    url, _ = fake_server
+    base = {"url": url, "concurrency": 2, "turns": 2, "max_tokens": 4}
+    strict = _run(LoadTestConfig(**base, slo=SLO(ttft_s=TTFT_S / 2, itl_s=1.0)))["summary"][
+        "goodput"
+    ]
+    loose = _run(LoadTestConfig(**base, slo=SLO(ttft_s=5.0, itl_s=1.0)))["summary"]["goodput"]
+    assert strict["good_requests"] == 0 and strict["fraction"] == 0.0
+    assert loose["good_requests"] == 4 and loose["fraction"] == 1.0
+
+
+def test_errors_are_counted_by_status(fake_server: tuple[str, FakeBehaviour]) -> None:
+    url, state = fake_server
+    state.fail_every = 3
+    doc = _run(LoadTestConfig(url=url, concurrency=3, turns=2, max_tokens=2))
+    requests = doc["summary"]["requests"]
+    assert requests["completed"] + requests["failed"] == 6
+    assert requests["failed"] == 2 and requests["errors_by_status"] == {"http_500": 2}
+    assert requests["error_rate"] == pytest.approx(2 / 6)
+
+
+def test_missing_usage_is_tolerated(fake_server: tuple[str, FakeBehaviour]) -> None:
+    url, state = fake_server
+    state.report_usage = False
+    state.metrics = False
+    doc = _run(LoadTestConfig(url=url, concurrency=2, turns=2, max_tokens=5))
+    summary = doc["summary"]
+    assert summary["requests"]["completed"] == 4 and summary["requests"]["usage_reported"] == 0
+    assert summary["tokens"]["output"] == 20  # counted from content chunks
+    assert summary["tokens"]["prompt"] == 0 and summary["tokens"]["cached_prompt"] is None
+    assert doc["server_metrics"] == {"available": False, "increase": {}, "peak": {}}
+
+
+def test_server_metrics_are_scraped_over_time(fake_server: tuple[str, FakeBehaviour]) -> None:
+    url, _ = fake_server
+    doc = _run(
+        LoadTestConfig(
+            url=url, concurrency=4, turns=2, max_tokens=MAX_TOKENS, scrape_interval_s=0.05
+        )
+    )
+    samples = doc["timeseries"]["server_metrics"]
+    assert doc["server_metrics"]["available"] is True
+    assert len(samples) >= 5
+    assert max(s["num_running"] for s in samples) >= 2  # seen while requests were in flight
+    assert doc["server_metrics"]["peak"]["kv_usage_ratio"] == pytest.approx(
+        doc["server_metrics"]["peak"]["num_running"] / 10
+    )
+    # Preemptions are summed over modes; the last scrape follows the last request.
+    assert samples[-1]["preemptions_total"] == 3 * 8
+    assert (
+        doc["server_metrics"]["increase"]["preemptions_total"]
+        == 3 * 8 - samples[0]["preemptions_total"]
+    )
+
+
+def test_duration_bound_stops_the_run(fake_server: tuple[str, FakeBehaviour]) -> None:
+    url, state = fake_server
+    state.itl_s = 0.5  # each request would take ~10 s
+    started = time.monotonic()
+    doc = _run(
+        LoadTestConfig(
+            url=url, concurrency=3, turns=4, max_tokens=20, duration_s=1.0, drain_timeout_s=0.5
+        )
+    )
+    assert time.monotonic() - started < 6.0
+    assert doc["stopped_by"] == "duration"
+    requests = doc["summary"]["requests"]
+    assert requests["cancelled"] == 3 and requests["failed"] == 0
+    assert state.requests_seen == 3
+
+
+def test_max_requests_bound(fake_server: tuple[str, FakeBehaviour]) -> None:
+    url, state = fake_server
+    doc = _run(LoadTestConfig(url=url, concurrency=2, turns=4, max_tokens=2, max_requests=5))
+    assert doc["stopped_by"] == "max_requests"
+    assert doc["summary"]["requests"]["completed"] == 5 and state.requests_seen == 5
+
+
+def test_poisson_mode_reaches_the_offered_rate(fake_server: tuple[str, FakeBehaviour]) -> None:
+    url, state = fake_server
+    state.ttft_s, state.itl_s = 0.01, 0.001
+    doc = _run(
+        LoadTestConfig(
+            url=url,
+            concurrency=4,
+            turns=5,
+            num_conversations=8,
+            request_rate=40.0,
+            max_tokens=2,
+            seed=3,
+        )
+    )
+    summary = doc["summary"]
+    assert summary["requests"]["completed"] == 40
+    # 40 exponential gaps of mean 25 ms: about 1 s; generous bounds for a busy machine.
+    assert 0.4 <= summary["duration_s"] <= 4.0
+    conversations = {r["conversation_id"] for r in doc["requests"]}
+    assert conversations == set(range(8))
+    assert all(
+        sorted(r["turn"] for r in doc["requests"] if r["conversation_id"] == c) == list(range(5))
+        for c in conversations
+    )
+
+
+def test_cli_writes_json_and_png(
+    fake_server: tuple[str, FakeBehaviour], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, state = fake_server
+    json_path, png_path = tmp_path / "r.json", tmp_path / "r.png"
+    status = main(
+        [
+            "--url",
+            url + "/v1",
+            "-c",
+            "2",
+            "-t",
+            "2",
+            "--max-tokens",
+            "3",
+            "--ignore-eos",
+            "--api-key",
+            "secret-key",
+            "--json",
+            str(json_path),
+            "--png",
+            str(png_path),
+            "--no-progress",
+        ]
+    )
+    assert status == 0
+    doc = json.loads(json_path.read_text())
+    assert doc["summary"]["requests"]["completed"] == 4
+    assert "api_key" not in doc["config"] and "secret-key" not in json_path.read_text()
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert all(body["ignore_eos"] is True for body in state.bodies)
+    assert set(state.auth_headers) == {"Bearer secret-key"}
+    out = capsys.readouterr().out
+    assert "out tok/s" in out and "ttft" in out
