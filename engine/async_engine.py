@@ -14,6 +14,7 @@ new requests are refused with it, and ``is_alive`` turns false for ``/health``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -262,10 +263,9 @@ class AsyncEngine:
         loop = self._loop
         if loop is None or loop.is_closed():
             return
-        try:
+        # The loop may close between the check and the call (shutdown): nothing to tell.
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:  # the loop closed between the check and the call
-            pass
 
     # ----------------------------------------------------------------- event-loop side
     def _dispatch(self, deltas: list[RequestDelta]) -> None:

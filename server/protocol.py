@@ -153,9 +153,9 @@ class ChatCompletionRequest(SamplingFields):
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("'top_logprobs' requires 'logprobs' to be true")
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            if self.max_tokens != self.max_completion_tokens:
-                raise ValueError("give 'max_tokens' or 'max_completion_tokens', not both")
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("give 'max_tokens' or 'max_completion_tokens', not both")
         return self
 
     @property

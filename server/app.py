@@ -1,0 +1,221 @@
+"""The FastAPI application: routes, OpenAI-shaped errors, auth and body-size limits.
+
+``build_app(ctx)`` wires a ready ``ServingContext``; ``serving_context(built, settings)``
+makes one from what ``engine.builder.build_engine`` returns. The engine thread starts
+with the app's lifespan and is shut down (aborting what still runs) when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.async_engine import AsyncEngine
+from server.errors import APIError, install_error_handlers
+from server.routes import chat, completions, health, models, tokenize
+from server.routes.context import ServingContext
+from server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+# Paths that need the API key when one is configured (unless protect_open_endpoints).
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+def build_app(ctx: ServingContext) -> FastAPI:
+    """The HTTP application around an (unstarted) AsyncEngine."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await ctx.engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(ctx.engine.shutdown)
+
+    app = FastAPI(title="kvserve", lifespan=lifespan)
+    app.state.ctx = ctx
+    install_error_handlers(app, ctx.count_rejected)
+    for module in (chat, completions, models, tokenize, health):
+        app.include_router(module.router)
+    settings = ctx.settings
+    # Starlette runs the last added middleware first: auth before reading any body.
+    app.add_middleware(
+        BodyLimitMiddleware,
+        limit=settings.max_request_body_bytes,
+        on_reject=ctx.count_rejected,
+    )
+    if settings.api_key is not None:
+        app.add_middleware(
+            AuthMiddleware,
+            api_key=settings.api_key,
+            protect_all=settings.protect_open_endpoints,
+            on_reject=ctx.count_rejected,
+        )
+    return app
+
+
+def serving_context(
+    built: Any,
+    settings: ServerSettings,
+    *,
+    cache_info: dict[str, str] | None = None,
+    with_metrics: bool = True,
+) -> ServingContext:
+    """Wrap a ``BuiltEngine`` (engine.builder) into the routes' context."""
+    engine = AsyncEngine(built.core)
+    names = settings.served_model_names or (built.model_name,)
+    metrics = _make_metrics(built, engine, names[0], cache_info) if with_metrics else None
+    return ServingContext(
+        engine=engine,
+        tokenizer=built.tokenizer,
+        served_model_names=tuple(names),
+        max_model_len=built.max_model_len,
+        eos_token_ids=tuple(built.eos_token_ids),
+        settings=settings,
+        metrics=metrics,
+        created=int(time.time()),
+    )
+
+
+def _make_metrics(
+    built: Any, engine: AsyncEngine, model_name: str, cache_info: dict[str, str] | None
+) -> Any:
+    try:
+        from server.metrics import ServerMetrics
+    except ImportError:
+        logger.warning("server.metrics is not available: /metrics answers 503")
+        return None
+    stats = engine.stats()
+    info = {
+        "block_size": str(stats.block_size),
+        "num_device_blocks": str(stats.device_blocks.total),
+        "num_host_blocks": str(stats.host_blocks.total),
+        "kv_cache_dtype": str(built.kv_shape.kv_dtype),
+        "max_model_len": str(built.max_model_len),
+        "device": str(built.device),
+        "dtype": str(built.dtype),
+        **(cache_info or {}),
+    }
+    return ServerMetrics(
+        model_name=model_name,
+        stats_fn=engine.stats,
+        cache_info=info,
+        kv_shape=built.kv_shape,
+        weight_bytes=built.weight_bytes,
+    )
+
+
+async def _send_error(scope: Scope, send: Send, error: APIError) -> None:
+    await error.response()(scope, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+class AuthMiddleware:
+    """Requires ``Authorization: Bearer <key>`` on the API paths (constant-time compare)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_key: str,
+        protect_all: bool,
+        on_reject: Callable[[str], None],
+    ) -> None:
+        self.app = app
+        self._key = api_key.encode()
+        self._protect_all = protect_all
+        self._on_reject = on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self._needs_key(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        if self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        self._on_reject("auth")
+        error = APIError(
+            401,
+            "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+        await _send_error(scope, send, error)
+
+    def _needs_key(self, path: str) -> bool:
+        return self._protect_all or path.startswith(PROTECTED_PREFIXES)
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = b""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                header = value
+                break
+        scheme, _, token = header.partition(b" ")
+        # compare_digest on the whole token: no early exit that leaks the key's prefix.
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+
+
+class BodyLimitMiddleware:
+    """Refuses request bodies over ``limit`` bytes with a 413, declared or streamed."""
+
+    def __init__(self, app: ASGIApp, *, limit: int, on_reject: Callable[[str], None]) -> None:
+        self.app = app
+        self._limit = limit
+        self._on_reject = on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self._declared_length(scope) > self._limit:
+            await self._reject(scope, send)
+            return
+        buffered: list[Message] = []
+        total = 0
+        while True:
+            message = await receive()
+            buffered.append(message)
+            if message["type"] != "http.request":
+                break
+            total += len(message.get("body", b""))
+            if total > self._limit:
+                await self._reject(scope, send)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            return buffered.pop(0) if buffered else await receive()
+
+        await self.app(scope, replay, send)
+
+    def _declared_length(self, scope: Scope) -> int:
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    return int(value)
+                except ValueError:
+                    return 0
+        return 0
+
+    async def _reject(self, scope: Scope, send: Send) -> None:
+        self._on_reject("body_too_large")
+        error = APIError(
+            413,
+            f"Request body too large: the limit is {self._limit} bytes (--max-request-body-bytes).",
+            code="request_too_large",
+        )
+        await _send_error(scope, send, error)

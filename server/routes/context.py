@@ -1,0 +1,68 @@
+"""What every route needs to serve the model: the engine, tokenizer, names and limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any
+
+from fastapi import Depends, Request
+
+from engine.async_engine import AsyncEngine
+from server.errors import APIError
+from server.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from server.metrics import RequestRecord, ServerMetrics
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    """Immutable per-app state; the routes read it from ``app.state.ctx``."""
+
+    engine: AsyncEngine
+    tokenizer: Any  # a Hugging Face tokenizer (decode, encode, apply_chat_template)
+    served_model_names: tuple[str, ...]
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    settings: ServerSettings
+    metrics: ServerMetrics | None = None
+    created: int = 0  # unix time the model was loaded, for /v1/models
+
+    @property
+    def model_name(self) -> str:
+        """The name reported in responses."""
+        return self.served_model_names[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def check_model(self, model: str | None) -> str:
+        """404 for a model this server does not serve; None means the default model."""
+        if model is None or model in self.served_model_names:
+            return self.model_name
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist. Served: {', '.join(self.served_model_names)}",
+            param="model",
+            code="model_not_found",
+            reason="model_not_found",
+        )
+
+    def record(self, record: RequestRecord) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_request(record)
+
+    def count_rejected(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.count_rejected(reason)
+
+
+def get_context(request: Request) -> ServingContext:
+    """FastAPI dependency: the app's serving context."""
+    ctx: ServingContext = request.app.state.ctx
+    return ctx
+
+
+# Route parameter type: ``ctx: Ctx`` injects the serving context.
+Ctx = Annotated[ServingContext, Depends(get_context)]

@@ -1,0 +1,300 @@
+"""One client request's generation: its engine groups, per-choice text and metrics.
+
+A client request with P prompts and ``n`` choices becomes P engine groups of ``n``
+Requests (the scheduler forks a group's choices from one prefill). ``GenerationRun``
+submits them, merges their delta streams, turns each choice's tokens into final text
+(incremental detokenisation, stop strings) and yields ``ChoiceUpdate``s that the chat and
+completions routes format. Closing the run aborts whatever still runs in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request as HTTPRequest
+
+from engine.async_engine import GroupStream
+from engine.errors import EngineDeadError, RequestRejected
+from engine.outputs import RequestDelta, TokenLogprob
+from engine.request import Request, SamplingParams
+from server.detokenize import IncrementalDetokenizer, StopStringMatcher
+from server.errors import APIError, engine_dead, from_rejection
+from server.routes.context import ServingContext
+
+T = TypeVar("T")
+
+
+@dataclass
+class ChoiceUpdate:
+    """New output of one choice: final text, the logprobs of its new tokens, and the
+    finish reason once it ended."""
+
+    index: int
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class ChoiceTracker:
+    """Text, token count and latency bookkeeping for one choice."""
+
+    def __init__(self, ctx: ServingContext, index: int, stop: Sequence[str], start: float) -> None:
+        self.index = index
+        self._detok = IncrementalDetokenizer(ctx.tokenizer)
+        self._stops = StopStringMatcher(stop)
+        self.num_tokens = 0
+        self.num_cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.start = start
+        self.token_times: list[float] = []
+        self.queue_time: float | None = None
+        self.num_blocks = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def on_delta(self, delta: RequestDelta, now: float) -> ChoiceUpdate:
+        """Consume one engine delta; after the choice finished, deltas are ignored."""
+        if self.finished:
+            return ChoiceUpdate(self.index, "")
+        if delta.new_token_ids:
+            self.token_times.append(now)
+        self.num_tokens += len(delta.new_token_ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        text = self._detok.push(delta.new_token_ids)
+        if delta.finished:
+            text += self._detok.flush()
+        match = self._stops.feed(text)
+        text = match.text
+        if match.stopped:
+            self.finish_reason = "stop"
+        elif delta.finished:
+            text += self._stops.flush()
+            self.finish_reason = delta.finish_reason.value if delta.finish_reason else "stop"
+            self.queue_time = delta.queue_time
+            self.num_blocks = delta.num_blocks
+        return ChoiceUpdate(self.index, text, list(delta.logprobs or ()), self.finish_reason)
+
+    def abandon(self, reason: str) -> None:
+        """The choice ends without the engine finishing it (disconnect, engine failure)."""
+        if not self.finished:
+            self.finish_reason = reason
+
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.start if self.token_times else None
+
+    def itl(self) -> tuple[float, ...]:
+        times = self.token_times
+        return tuple(b - a for a, b in itertools.pairwise(times))
+
+
+@dataclass
+class _Group:
+    prompt_ids: list[int]
+    choices: list[ChoiceTracker]
+    stream: GroupStream | None = None
+    pump: asyncio.Task[None] | None = None
+
+
+class GenerationRun:
+    """Submit, iterate, close. Use as ``async with run: async for update in run: ...``."""
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        request_id: str,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        *,
+        stop: Sequence[str] = (),
+        priority: int = 0,
+    ) -> None:
+        self.ctx = ctx
+        self.request_id = request_id
+        self.params = params
+        self.priority = priority
+        self.start = time.monotonic()
+        self._events: asyncio.Queue[tuple[int, list[RequestDelta]] | BaseException] = (
+            asyncio.Queue()
+        )
+        n = params.n
+        self.groups = [
+            _Group(list(ids), [ChoiceTracker(ctx, p * n + i, stop, self.start) for i in range(n)])
+            for p, ids in enumerate(prompts)
+        ]
+        self._recorded = False
+
+    # ------------------------------------------------------------------ submission
+    async def submit(self) -> None:
+        """Add every group to the engine; on any refusal abort the ones already added."""
+        try:
+            for p, group in enumerate(self.groups):
+                group_id = self.request_id if len(self.groups) == 1 else f"{self.request_id}-{p}"
+                group.stream = await self.ctx.engine.add(self._requests(group_id, group))
+                group.pump = asyncio.create_task(self._pump(p, group.stream))
+        except RequestRejected as exc:
+            self.close()
+            raise from_rejection(exc, self.ctx.settings.retry_after_s) from exc
+        except EngineDeadError as exc:
+            self.close()
+            raise engine_dead(exc, in_flight=False) from exc
+        except BaseException:
+            self.close()
+            raise
+
+    def _requests(self, group_id: str, group: _Group) -> list[Request]:
+        return [
+            Request(
+                request_id=f"{group_id}-{i}",
+                prompt_token_ids=list(group.prompt_ids),
+                sampling_params=self.params,
+                eos_token_ids=self.ctx.eos_token_ids,
+                group_id=group_id,
+                index=i,
+                priority=self.priority,
+            )
+            for i in range(len(group.choices))
+        ]
+
+    async def _pump(self, p: int, stream: GroupStream) -> None:
+        try:
+            async for delta in stream:
+                self._events.put_nowait((p, [delta]))
+        except EngineDeadError as exc:
+            self._events.put_nowait(exc)
+
+    # ------------------------------------------------------------------ iteration
+    async def __aenter__(self) -> GenerationRun:
+        await self.submit()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __aiter__(self) -> AsyncIterator[ChoiceUpdate]:
+        return self._updates()
+
+    async def _updates(self) -> AsyncIterator[ChoiceUpdate]:
+        while not self.all_finished:
+            item = await self._events.get()
+            if isinstance(item, EngineDeadError):
+                self._abandon_all("error")
+                raise engine_dead(item, in_flight=True)
+            if isinstance(item, BaseException):
+                raise item
+            p, deltas = item
+            group = self.groups[p]
+            now = time.monotonic()
+            for delta in deltas:
+                if 0 <= delta.index < len(group.choices):
+                    update = group.choices[delta.index].on_delta(delta, now)
+                    if update.text or update.logprobs or update.finish_reason:
+                        yield update
+                    if delta.error:
+                        self._abandon_all("error")
+                        raise APIError(500, f"the engine failed this request: {delta.error}")
+            if all(c.finished for c in group.choices):
+                # Every choice ended (some perhaps by a stop string the engine does not
+                # know about): stop the group in the engine now.
+                self._close_group(group)
+        self._record_all()
+
+    @property
+    def all_finished(self) -> bool:
+        return all(c.finished for g in self.groups for c in g.choices)
+
+    @property
+    def choices(self) -> list[ChoiceTracker]:
+        return [c for g in self.groups for c in g.choices]
+
+    # ------------------------------------------------------------------ closing
+    def close(self) -> None:
+        """Abort what still runs (client gone, error, shutdown) and record metrics."""
+        self._abandon_all("abort")
+        for group in self.groups:
+            self._close_group(group)
+        self._record_all()
+
+    def _close_group(self, group: _Group) -> None:
+        if group.pump is not None and not group.pump.done():
+            group.pump.cancel()
+        if group.stream is not None:
+            group.stream.close()
+
+    def _abandon_all(self, reason: str) -> None:
+        for choice in self.choices:
+            choice.abandon(reason)
+
+    def _record_all(self) -> None:
+        if self._recorded or self.ctx.metrics is None:
+            return
+        self._recorded = True
+        from server.metrics import RequestRecord
+
+        end = time.monotonic()
+        for group in self.groups:
+            for choice in group.choices:
+                self.ctx.record(
+                    RequestRecord(
+                        finish_reason=choice.finish_reason or "abort",
+                        prompt_tokens=len(group.prompt_ids),
+                        generation_tokens=choice.num_tokens,
+                        cached_tokens=choice.num_cached_tokens,
+                        queue_time_s=choice.queue_time,
+                        ttft_s=choice.ttft(),
+                        e2e_s=end - self.start,
+                        itl_s=choice.itl(),
+                        kv_blocks=choice.num_blocks,
+                    )
+                )
+
+    # ------------------------------------------------------------------ usage
+    def usage(self) -> dict[str, Any]:
+        """OpenAI usage: prompts count once per prompt, completions per choice."""
+        prompt_tokens = sum(len(g.prompt_ids) for g in self.groups)
+        completion_tokens = sum(c.num_tokens for c in self.choices)
+        cached = sum(max((c.num_cached_tokens for c in g.choices), default=0) for g in self.groups)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was ready."""
+
+
+async def until_disconnect(request: HTTPRequest, work: Awaitable[T]) -> T:
+    """Run ``work`` but cancel it as soon as the client disconnects (non-streaming)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # we were cancelled ourselves (shutdown): take the work along
+        task.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    # Whatever the cancelled work raises on its way out is moot: nobody is listening.
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientDisconnected()
+
+
+async def _wait_disconnect(request: HTTPRequest) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,140 @@
+"""From validated request models to token ids and SamplingParams, with the checks that
+need the tokenizer or the context length (the pydantic models cannot know those)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from engine.request import SamplingParams
+from server.errors import APIError, invalid
+from server.protocol import ChatMessage, CompletionRequest, SamplingFields
+from server.routes.context import ServingContext
+
+
+def render_chat(
+    ctx: ServingContext, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+) -> str:
+    """The model's chat template applied to the messages."""
+    if not getattr(ctx.tokenizer, "chat_template", None):
+        raise invalid("this model has no chat template; use /v1/completions", "messages")
+    conversation = [{"role": m.role, "content": m.text} for m in messages]
+    text: str = ctx.tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    return text
+
+
+def chat_prompt_ids(ctx: ServingContext, messages: Sequence[ChatMessage]) -> list[int]:
+    # The template already contains any BOS the model wants: add no special tokens twice.
+    ids: list[int] = ctx.tokenizer.encode(render_chat(ctx, messages), add_special_tokens=False)
+    return ids
+
+
+def completion_prompts(ctx: ServingContext, body: CompletionRequest) -> list[list[int]]:
+    """Every form of ``prompt`` (string, strings, ids, lists of ids) as id lists."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    result = []
+    for item in items:
+        if isinstance(item, str):
+            result.append(list(ctx.tokenizer.encode(item, add_special_tokens=True)))
+        else:
+            check_token_ids(ctx, item, "prompt")
+            result.append(list(item))
+    for ids in result:
+        if not ids:
+            raise invalid("the prompt is empty: give at least one token", "prompt")
+    return result
+
+
+def check_token_ids(ctx: ServingContext, ids: Sequence[int], param: str) -> None:
+    vocab = ctx.vocab_size
+    for token in ids:
+        if not 0 <= token < vocab:
+            raise invalid(
+                f"token id {token} in '{param}' is outside the vocabulary [0, {vocab})", param
+            )
+
+
+def resolve_max_tokens(
+    ctx: ServingContext, prompt_len: int, requested: int | None, param: str
+) -> int:
+    """The completion budget: checked against the context, or all that is left of it."""
+    limit = ctx.max_model_len
+    if prompt_len >= limit:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens, but the prompt has "
+            f"{prompt_len} tokens; shorten it to at most {limit - 1} tokens.",
+            param=param,
+            code="context_length_exceeded",
+            reason="too_long",
+        )
+    if requested is None:
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+            f"completion). Reduce the prompt or max_tokens to at most {limit - prompt_len}.",
+            param="max_tokens",
+            code="context_length_exceeded",
+            reason="too_long",
+        )
+    return requested
+
+
+def sampling_params(
+    ctx: ServingContext, body: SamplingFields, max_tokens: int, logprobs: int | None
+) -> SamplingParams:
+    """Map the request's sampling fields onto the engine's SamplingParams."""
+    if body.n > ctx.settings.max_n:
+        raise invalid(f"'n' must be at most {ctx.settings.max_n} on this server", "n")
+    if body.min_tokens > max_tokens:
+        raise invalid(
+            f"'min_tokens' ({body.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens"
+        )
+    stop_ids = tuple(body.stop_token_ids or ())
+    check_token_ids(ctx, stop_ids, "stop_token_ids")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=_logit_bias(ctx, body.logit_bias),
+        seed=body.seed,
+        n=body.n,
+        stop_token_ids=stop_ids,
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        logprobs=logprobs,
+    )
+
+
+def _logit_bias(
+    ctx: ServingContext, bias: dict[str, float] | None
+) -> tuple[tuple[int, float], ...]:
+    if not bias:
+        return ()
+    pairs = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise invalid(
+                f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias"
+            ) from None
+        pairs.append((token, float(value)))
+    check_token_ids(ctx, [t for t, _ in pairs], "logit_bias")
+    return tuple(sorted(pairs))

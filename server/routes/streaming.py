@@ -1,0 +1,70 @@
+"""Server-sent events shared by chat and completions: framing, errors, disconnects."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from server.errors import APIError
+from server.routes.generation import ClientDisconnected, GenerationRun, until_disconnect
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_unix() -> int:
+    return int(time.time())
+
+
+def finite(logprob: float) -> float:
+    """JSON has no -inf: masked tokens (probability 0) report a very low logprob."""
+    return logprob if math.isfinite(logprob) else -9999.0
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def stream_response(
+    run: GenerationRun, events: Callable[[], AsyncIterator[str]]
+) -> StreamingResponse:
+    """Wrap a submitted run's SSE generator. Leaving the generator early (the client
+    disconnected: Starlette cancels it) aborts the run; an engine failure after the
+    headers went out becomes an error event."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events():
+                yield event
+        except APIError as exc:
+            yield exc.sse_event()
+        finally:
+            run.close()
+        yield SSE_DONE
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def complete_or_abort(
+    request: HTTPRequest, run: GenerationRun, collect: Callable[[], Any]
+) -> JSONResponse:
+    """Non-streaming: collect the whole answer, aborting if the client goes away."""
+    try:
+        payload = await until_disconnect(request, collect())
+    except ClientDisconnected:
+        # Nobody reads this; 499 is the de facto "client closed request" status.
+        return JSONResponse({}, status_code=499)
+    finally:
+        run.close()
+    return JSONResponse(payload)
