@@ -35,12 +35,20 @@ METRICS: tuple[MetricSpec, ...] = (
             "llamacpp:kv_cache_usage_ratio",
         ),
     ),
-    MetricSpec("kv_blocks_used", ("kvserve_kv_blocks_used",), (("pool", "device"),)),
-    MetricSpec("kv_blocks_total", ("kvserve_kv_blocks_total",), (("pool", "device"),)),
-    MetricSpec("kv_blocks_cached", ("kvserve_kv_blocks_cached",), (("pool", "device"),)),
-    MetricSpec("host_blocks_used", ("kvserve_kv_blocks_used",), (("pool", "host"),)),
-    MetricSpec("kv_payload_bytes", ("kvserve_kv_payload_bytes",)),
-    MetricSpec("kv_allocated_bytes", ("kvserve_kv_allocated_bytes",)),
+    MetricSpec(
+        "kv_blocks_used", ("kvserve_kv_cache_blocks",), (("pool", "device"), ("state", "used"))
+    ),
+    MetricSpec(
+        "kv_blocks_cached",
+        ("kvserve_kv_cache_blocks",),
+        (("pool", "device"), ("state", "cached")),
+    ),
+    MetricSpec("kv_blocks_total", ("kvserve_kv_cache_capacity_blocks",), (("pool", "device"),)),
+    MetricSpec(
+        "host_blocks_used", ("kvserve_kv_cache_blocks",), (("pool", "host"), ("state", "used"))
+    ),
+    MetricSpec("kv_payload_bytes", ("kvserve_kv_cache_payload_bytes",)),
+    MetricSpec("kv_allocated_bytes", ("kvserve_kv_cache_allocated_bytes",)),
     MetricSpec(
         "num_running",
         (
@@ -51,7 +59,11 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec(
         "num_waiting",
-        ("kvserve_num_requests_waiting", "vllm:num_requests_waiting", "llamacpp:requests_deferred"),
+        (
+            "kvserve_num_requests_waiting",
+            "vllm:num_requests_waiting",
+            "llamacpp:requests_deferred",
+        ),
     ),
     MetricSpec("num_swapped", ("kvserve_num_requests_swapped", "vllm:num_requests_swapped")),
     MetricSpec("preemptions_total", ("kvserve_preemptions_total", "vllm:num_preemptions_total")),
@@ -59,11 +71,15 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("blocks_swapped_in_total", ("kvserve_kv_blocks_swapped_in_total",)),
     MetricSpec(
         "prefix_cache_queries_total",
-        ("kvserve_prefix_cache_queries_total", "vllm:prefix_cache_queries_total"),
+        ("kvserve_prefix_cache_queried_tokens_total", "vllm:prefix_cache_queries_total"),
     ),
     MetricSpec(
         "prefix_cache_hits_total",
-        ("kvserve_prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
+        ("kvserve_prefix_cache_hit_tokens_total", "vllm:prefix_cache_hits_total"),
+    ),
+    MetricSpec(
+        "generation_tokens_total",
+        ("kvserve_generation_tokens_total", "vllm:generation_tokens_total"),
     ),
 )
 
