@@ -1,0 +1,209 @@
+"""A fixed pool of KV blocks: reference counts, an LRU free queue, and the prefix-cache map.
+
+Every block is in exactly one of three states:
+
+- **used**: ``ref_count > 0``; referenced by one or more block tables; not in the free queue.
+- **cached-free**: ``ref_count == 0`` and it still carries a content hash; it sits in the
+  free queue *and* in the hash map, so a later request with the same prefix can revive it.
+- **free**: ``ref_count == 0``, no hash; in the free queue only.
+
+Eviction is lazy: a cached-free block keeps its contents until ``allocate`` pops it from the
+head of the free queue, and only then is its hash dropped. The free queue is a doubly linked
+list so that a cache hit can pull a block out of its middle in O(1).
+
+Pure Python, no torch: the pool hands out block ids; the runner owns the tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+BlockHash = bytes
+
+
+class KVBlock:
+    """One block's metadata. ``prev_free``/``next_free`` link it into the free queue."""
+
+    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_count")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: BlockHash | None = None
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        hashed = self.block_hash is not None
+        return f"KVBlock(id={self.block_id}, ref={self.ref_count}, hashed={hashed})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks in eviction order (head = evicted first).
+
+    Sentinel head and tail nodes keep every operation branch-free and O(1).
+    """
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.size = 0
+        for block in blocks:
+            self.append(block)
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        block.prev_free = last
+        block.next_free = self._tail
+        last.next_free = block
+        self._tail.prev_free = block
+        self.size += 1
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        assert block is not None and block is not self._tail, "free queue is empty"
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.size -= 1
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        node = self._head.next_free
+        while node is not None and node is not self._tail:
+            yield node
+            node = node.next_free
+
+
+class BlockPool:
+    """``num_blocks`` blocks with ref counts, a free queue and (optionally) a prefix cache.
+
+    Counters ``num_used`` and ``num_shared_refs`` (sum of ``ref_count - 1`` over used
+    blocks) are maintained incrementally so stats snapshots cost O(1).
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 0:
+            raise ValueError("num_blocks must be >= 0")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVBlock] = {}
+        self.num_shared_refs = 0
+        self.num_cached_free = 0
+
+    # -- queries -----------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be allocated now (free plus cached-free)."""
+        return self.free_queue.size
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.free_queue.size
+
+    def ref_count(self, block_id: int) -> int:
+        return self.blocks[block_id].ref_count
+
+    def lookup(self, block_hash: BlockHash) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    # -- allocation ----------------------------------------------------------------------
+
+    def allocate(self, count: int) -> list[int]:
+        """Take ``count`` blocks from the head of the free queue (evicting cached contents)."""
+        if count > self.free_queue.size:
+            raise ValueError(f"cannot allocate {count} blocks: only {self.free_queue.size} free")
+        ids = []
+        for _ in range(count):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_count = 1
+            ids.append(block.block_id)
+        return ids
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Add one reference to each block (a prefix-cache hit or a fork)."""
+        blocks = self.blocks
+        for block_id in block_ids:
+            block = blocks[block_id]
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+                if block.block_hash is not None:
+                    self.num_cached_free -= 1
+            else:
+                self.num_shared_refs += 1
+            block.ref_count += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference from each block, in the given order.
+
+        Blocks whose count reaches zero join the tail of the free queue in that order, so
+        callers pass a table tail-first: the shared head of a prefix is evicted last.
+        """
+        blocks = self.blocks
+        for block_id in block_ids:
+            block = blocks[block_id]
+            assert block.ref_count > 0, f"double free of {block}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue.append(block)
+                if block.block_hash is not None:
+                    self.num_cached_free += 1
+            else:
+                self.num_shared_refs -= 1
+
+    # -- prefix cache ----------------------------------------------------------------------
+
+    def cache_block(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Register a used, full block under ``block_hash``. False when caching is off, the
+        block already has a hash, or another block already holds that content."""
+        block = self.blocks[block_id]
+        if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
+            return False
+        assert block.ref_count > 0, f"caching unreferenced {block}"
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        return True
+
+    def _evict(self, block: KVBlock) -> None:
+        assert block.block_hash is not None
+        del self.cached[block.block_hash]
+        block.block_hash = None
+        self.num_cached_free -= 1
+
+    # -- invariants ------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Assert every block is in exactly one state and the counters are exact."""
+        in_queue: set[int] = set()
+        for block in self.free_queue:
+            assert block.block_id not in in_queue, f"{block} twice in the free queue"
+            assert block.ref_count == 0, f"{block} is in the free queue but referenced"
+            in_queue.add(block.block_id)
+        assert len(in_queue) == self.free_queue.size, "free queue size is wrong"
+        shared = cached_free = 0
+        for block in self.blocks:
+            if block.ref_count == 0:
+                assert block.block_id in in_queue, f"{block} is lost (unreferenced, not free)"
+                cached_free += block.block_hash is not None
+            else:
+                assert block.prev_free is None and block.next_free is None, f"{block} linked"
+                shared += block.ref_count - 1
+            if block.block_hash is not None:
+                assert self.cached.get(block.block_hash) is block, f"{block} hash not mapped"
+        assert len(self.cached) == sum(b.block_hash is not None for b in self.blocks)
+        assert shared == self.num_shared_refs, "shared reference counter drifted"
+        assert cached_free == self.num_cached_free, "cached-free counter drifted"
+        assert self.num_used + self.num_free == self.num_blocks

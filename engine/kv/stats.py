@@ -1,0 +1,74 @@
+"""Counters and the ``EngineStats`` snapshot built from the block pools.
+
+The byte figures come from ``accounting`` so metrics agree with ``kvserve plan``:
+payload (logical K/V of live tokens), allocated (used blocks, padding included) and shared
+(extra references to blocks several sequences hold).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.kv.accounting import KVShape, bytes_per_block, payload_bytes
+from engine.kv.block_pool import BlockPool
+from engine.kv.manager import KVCacheManager
+from engine.outputs import EngineStats, PoolStats
+
+
+@dataclass
+class StatsCounters:
+    """Monotonic counters the scheduler bumps; published as ``*_total`` fields."""
+
+    preemptions: dict[str, int] = field(default_factory=lambda: {"recompute": 0, "swap": 0})
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+
+
+@dataclass(frozen=True)
+class QueueSizes:
+    """Request counts and the live-token sum at the moment of the snapshot."""
+
+    running: int
+    waiting: int
+    swapped: int
+    live_tokens: int
+
+
+def pool_stats(pool: BlockPool) -> PoolStats:
+    """Occupancy of one pool; ``cached`` is the free blocks that still hold a prefix."""
+    cached = pool.num_cached_free
+    return PoolStats(
+        total=pool.num_blocks, used=pool.num_used, free=pool.num_free - cached, cached=cached
+    )
+
+
+def snapshot(
+    kv: KVCacheManager, shape: KVShape, counters: StatsCounters, queues: QueueSizes
+) -> EngineStats:
+    """An immutable ``EngineStats`` (counters copied, so later steps do not mutate it)."""
+    per_block = bytes_per_block(shape, kv.block_size)
+    return EngineStats(
+        device_blocks=pool_stats(kv.device),
+        host_blocks=pool_stats(kv.host),
+        block_size=kv.block_size,
+        num_running=queues.running,
+        num_waiting=queues.waiting,
+        num_swapped=queues.swapped,
+        live_tokens=queues.live_tokens,
+        payload_bytes=payload_bytes(shape, queues.live_tokens),
+        allocated_bytes=kv.device.num_used * per_block,
+        shared_bytes=kv.device.num_shared_refs * per_block,
+        preemptions_total=dict(counters.preemptions),
+        blocks_swapped_out_total=counters.blocks_swapped_out,
+        blocks_swapped_in_total=counters.blocks_swapped_in,
+        prefix_cache_queries_total=counters.prefix_queries,
+        prefix_cache_hits_total=counters.prefix_hits,
+        prompt_tokens_total=counters.prompt_tokens,
+        generation_tokens_total=counters.generation_tokens,
+        steps_total=counters.steps,
+    )

@@ -1,0 +1,177 @@
+"""Fake runners for scheduler tests: no torch, but real paged-KV semantics.
+
+``PrefixHashModel`` is a deterministic "language model": the next token is a hash of the
+whole prefix (and the sequence's seed). ``FakeKVRunner`` executes a ``SchedulerOutput``
+against simulated device and host block pools that store token ids in slots: it applies
+swaps and copies, writes the scheduled tokens into their slots, and computes each sampled
+token from what it *reads back from the blocks*. Any bookkeeping bug (a wrong prefix hit,
+a missed copy-on-write, a bad swap) changes the tokens, so comparing against
+``reference_tokens`` (plain generation without any cache) catches it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from hashlib import blake2b
+
+from engine.config import SchedulerConfig
+from engine.core import EngineCore
+from engine.outputs import RunnerOutput, SchedulerOutput
+from engine.request import Request, SamplingParams
+
+
+@dataclass(frozen=True)
+class PrefixHashModel:
+    """next token = hash(prefix, seed) mod vocab_size; token ``eos`` ends sequences."""
+
+    vocab_size: int = 64
+    eos: int = 0
+
+    def next_token(self, prefix: Sequence[int], seed: int | None) -> int:
+        digest = blake2b(repr((tuple(prefix), seed)).encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") % self.vocab_size
+
+
+class FakeKVRunner:
+    """Runs steps on simulated KV pools of token ids (``None`` = never written)."""
+
+    def __init__(
+        self,
+        num_device_blocks: int,
+        block_size: int,
+        num_host_blocks: int = 0,
+        model: PrefixHashModel | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.model = model or PrefixHashModel()
+        self.device = _empty_blocks(num_device_blocks, block_size)
+        self.host = _empty_blocks(num_host_blocks, block_size)
+        self.steps: list[SchedulerOutput] = []
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        self.steps.append(scheduler_output)
+        for dev, host in scheduler_output.swap_out:
+            self.host[host] = list(self.device[dev])
+        for host, dev in scheduler_output.swap_in:
+            self.device[dev] = list(self.host[host])
+        for src, dst in scheduler_output.copies:
+            self.device[dst] = list(self.device[src])
+        # Like a real forward: every layer writes the batch's K/V before attention reads.
+        for req in scheduler_output.scheduled:
+            for offset, token in enumerate(req.token_ids):
+                self._write(req.block_ids, req.num_computed_tokens + offset, token)
+        result = RunnerOutput()
+        for req in scheduler_output.scheduled:
+            if req.sample:
+                prefix = [self._read(req.block_ids, pos) for pos in range(req.context_len)]
+                result.sampled_token_ids[req.request_id] = self.model.next_token(prefix, req.seed)
+        return result
+
+    def _write(self, block_ids: list[int], position: int, token: int) -> None:
+        self.device[block_ids[position // self.block_size]][position % self.block_size] = token
+
+    def _read(self, block_ids: list[int], position: int) -> int:
+        token = self.device[block_ids[position // self.block_size]][position % self.block_size]
+        assert token is not None, f"position {position} read before it was written"
+        return token
+
+
+def _empty_blocks(num_blocks: int, block_size: int) -> list[list[int | None]]:
+    return [[None] * block_size for _ in range(num_blocks)]
+
+
+class ConstantRunner:
+    """Samples the same token for everyone: the cheapest runner, for benchmarks."""
+
+    def __init__(self, token: int = 1) -> None:
+        self.token = token
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        token = self.token
+        return RunnerOutput(
+            sampled_token_ids={r.request_id: token for r in scheduler_output.scheduled if r.sample}
+        )
+
+
+def reference_tokens(
+    model: PrefixHashModel,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    seed: int | None,
+    eos_token_ids: tuple[int, ...],
+    max_model_len: int,
+) -> list[int]:
+    """What a sequence generates without any cache, batching or preemption."""
+    tokens = list(prompt)
+    out: list[int] = []
+    while True:
+        token = model.next_token(tokens, seed)
+        tokens.append(token)
+        out.append(token)
+        stop_ok = len(out) > params.min_tokens
+        if stop_ok and (
+            token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids)
+        ):
+            return out
+        if len(out) >= params.max_tokens or len(tokens) >= max_model_len:
+            return out
+
+
+def make_group(
+    group_id: str,
+    prompt: Sequence[int],
+    params: SamplingParams | None = None,
+    *,
+    eos: tuple[int, ...] = (0,),
+    priority: int = 0,
+    arrival_time: float = 0.0,
+    cache_salt: str | None = None,
+) -> list[Request]:
+    """The ``n`` sequences of one client request, as the AsyncEngine would build them."""
+    params = params or SamplingParams(max_tokens=8)
+    return [
+        Request(
+            request_id=f"{group_id}-{index}" if params.n > 1 else group_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=params,
+            eos_token_ids=eos,
+            group_id=group_id,
+            index=index,
+            priority=priority,
+            arrival_time=arrival_time,
+            cache_salt=cache_salt,
+        )
+        for index in range(params.n)
+    ]
+
+
+def expected_for(
+    group: list[Request], model: PrefixHashModel, config: SchedulerConfig
+) -> dict[str, list[int]]:
+    """Reference outputs of every sequence of a group."""
+    return {
+        r.request_id: reference_tokens(
+            model,
+            r.prompt_token_ids,
+            r.sampling_params,
+            r.seed,
+            r.eos_token_ids,
+            config.max_model_len,
+        )
+        for r in group
+    }
+
+
+def drive(core: EngineCore, max_steps: int = 20_000) -> dict[str, list[int]]:
+    """Step until nothing is left, checking the block invariants after every step.
+
+    Returns the tokens each sequence received through its deltas."""
+    outputs: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not core.has_unfinished():
+            return outputs
+        for delta in core.step():
+            outputs.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+        core.scheduler.check_integrity()
+    raise AssertionError(f"still unfinished after {max_steps} steps (livelock?)")
