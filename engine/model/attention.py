@@ -1,0 +1,199 @@
+"""Paged attention over a mixed batch of decode tokens and prefill chunks.
+
+The flattened batch is ordered decodes first, then prefill chunks. Decode rows (one new
+token each) are attended in one batched matmul over their gathered, padded block tables:
+torch's CPU ``scaled_dot_product_attention`` costs milliseconds per single-token call, a
+bmm + softmax over ``[kv_heads, batch, group, tokens]`` costs microseconds. Prefill chunks
+are attended one request at a time with SDPA (its flash kernel pays off for long queries),
+reading earlier context from the cache when the chunk does not start at position 0.
+
+Everything here is built once per step and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.kv_cache import PagedKVCache
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """One request's new tokens in the step, as the runner hands it to the model."""
+
+    num_computed: int  # tokens already in the cache before this step
+    num_new: int
+    block_ids: list[int]
+
+
+@dataclass
+class PrefillSpan:
+    """A prefill chunk: rows ``[start, end)`` of the batch attending ``context_len`` keys."""
+
+    start: int
+    end: int
+    num_computed: int
+    block_ids: torch.Tensor  # blocks covering the context
+    mask: torch.Tensor | None  # [new, context] bool; None when causal from position 0
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, on the model's device."""
+
+    slots: torch.Tensor  # [tokens] flat cache slot of every new token
+    positions: torch.Tensor  # [tokens]
+    num_decodes: int  # rows [0, num_decodes) are single-token decodes
+    decode_block_ids: torch.Tensor | None  # [num_decodes * max_blocks]
+    decode_bias: torch.Tensor | None  # [num_decodes, 1, max_blocks * block_size] 0 / -inf
+    prefills: list[PrefillSpan]
+
+
+def build_metadata(
+    chunks: list[SequenceChunk], block_size: int, dtype: torch.dtype, device: torch.device
+) -> AttentionMetadata:
+    """Metadata for ``chunks``, which must list every decode (num_new == 1, num_computed > 0)
+    before any prefill chunk."""
+    positions: list[int] = []
+    slots: list[int] = []
+    for chunk in chunks:
+        for pos in range(chunk.num_computed, chunk.num_computed + chunk.num_new):
+            positions.append(pos)
+            slots.append(chunk.block_ids[pos // block_size] * block_size + pos % block_size)
+    num_decodes = 0
+    while num_decodes < len(chunks) and _is_decode(chunks[num_decodes]):
+        num_decodes += 1
+    decode_ids, decode_bias = _decode_tables(chunks[:num_decodes], block_size, dtype, device)
+    return AttentionMetadata(
+        slots=torch.tensor(slots, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        num_decodes=num_decodes,
+        decode_block_ids=decode_ids,
+        decode_bias=decode_bias,
+        prefills=_prefill_spans(chunks, num_decodes, block_size, device),
+    )
+
+
+def _is_decode(chunk: SequenceChunk) -> bool:
+    return chunk.num_new == 1 and chunk.num_computed > 0
+
+
+def _decode_tables(
+    decodes: list[SequenceChunk], block_size: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Padded block tables (pad = the row's first block) and an additive mask for padding."""
+    if not decodes:
+        return None, None
+    context = [c.num_computed + 1 for c in decodes]
+    max_blocks = -(-max(context) // block_size)
+    table: list[int] = []
+    for chunk, ctx in zip(decodes, context, strict=True):
+        used = chunk.block_ids[: -(-ctx // block_size)]
+        table.extend(used + [used[0]] * (max_blocks - len(used)))
+    lengths = torch.tensor(context, device=device).unsqueeze(1)
+    key_positions = torch.arange(max_blocks * block_size, device=device).unsqueeze(0)
+    bias = torch.zeros(len(decodes), max_blocks * block_size, dtype=dtype, device=device)
+    bias.masked_fill_(key_positions >= lengths, float("-inf"))
+    return torch.tensor(table, dtype=torch.long, device=device), bias.unsqueeze(1)
+
+
+def _prefill_spans(
+    chunks: list[SequenceChunk], num_decodes: int, block_size: int, device: torch.device
+) -> list[PrefillSpan]:
+    spans: list[PrefillSpan] = []
+    start = sum(c.num_new for c in chunks[:num_decodes])
+    for chunk in chunks[num_decodes:]:
+        end = start + chunk.num_new
+        context = chunk.num_computed + chunk.num_new
+        blocks = chunk.block_ids[: -(-context // block_size)]
+        mask = None
+        if chunk.num_computed > 0:
+            query_pos = torch.arange(chunk.num_computed, context, device=device).unsqueeze(1)
+            mask = torch.arange(context, device=device).unsqueeze(0) <= query_pos
+        spans.append(
+            PrefillSpan(
+                start=start,
+                end=end,
+                num_computed=chunk.num_computed,
+                block_ids=torch.tensor(blocks, dtype=torch.long, device=device),
+                mask=mask,
+            )
+        )
+        start = end
+    return spans
+
+
+def paged_attention(
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: PagedKVCache,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend every row to its context.
+
+    ``query`` is ``[tokens, heads, head_dim]``; ``key``/``value`` are
+    ``[tokens, kv_heads, head_dim]``. Returns ``[tokens, heads * head_dim]``.
+    """
+    cache.write(layer, key, value, meta.slots)
+    parts: list[torch.Tensor] = []
+    if meta.num_decodes:
+        parts.append(_decode_attention(layer, query[: meta.num_decodes], cache, meta, scale))
+    for span in meta.prefills:
+        parts.append(_prefill_attention(layer, query, key, value, cache, span, scale))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    return out
+
+
+def _decode_attention(
+    layer: int, query: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    assert meta.decode_block_ids is not None and meta.decode_bias is not None
+    batch, heads, head_dim = query.shape
+    keys, values = cache.gather(layer, meta.decode_block_ids)
+    kv_heads = keys.shape[0]
+    keys = keys.view(kv_heads, batch, -1, head_dim)
+    values = values.view(kv_heads, batch, -1, head_dim)
+    # [kv_heads, batch, group, head_dim]: the group's query heads share one K/V head.
+    grouped = query.view(batch, kv_heads, heads // kv_heads, head_dim).transpose(0, 1)
+    scores = torch.matmul(grouped * scale, keys.transpose(-1, -2))
+    scores = scores + meta.decode_bias
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    out = torch.matmul(probs, values)  # [kv_heads, batch, group, head_dim]
+    return out.transpose(0, 1).reshape(batch, heads * head_dim)
+
+
+def _prefill_attention(
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: PagedKVCache,
+    span: PrefillSpan,
+    scale: float,
+) -> torch.Tensor:
+    q = query[span.start : span.end].transpose(0, 1).unsqueeze(0)
+    if span.num_computed == 0:
+        # The whole context is this chunk: use the fresh K/V, no cache read needed.
+        k = key[span.start : span.end].transpose(0, 1).unsqueeze(0)
+        v = value[span.start : span.end].transpose(0, 1).unsqueeze(0)
+    else:
+        context = span.num_computed + (span.end - span.start)
+        keys, values = cache.gather(layer, span.block_ids)
+        k = keys[:, :context].unsqueeze(0)
+        v = values[:, :context].unsqueeze(0)
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=span.mask,
+        is_causal=span.mask is None,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out[0].transpose(0, 1).reshape(span.end - span.start, -1)

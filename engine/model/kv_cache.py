@@ -1,0 +1,150 @@
+"""KV block tensors: allocated once, written by slot, read by block table.
+
+Layout per pool: K and V are each ``[layers, kv_heads, blocks, block_size, head_dim]``.
+Putting the head dimension before the block dimension means that gathering a batch's
+block tables for one layer is a single ``index_select`` whose result already has the
+``[kv_heads, batch, tokens, head_dim]`` shape batched matmul wants: no permute copies on
+the decode hot path.
+
+Quantized caches (int8, fp8) store one float32 scale per (token, KV head) for K and for V
+beside the blocks, exactly as engine/kv/accounting.py counts them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv.accounting import KVShape
+
+_STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+}
+# Largest magnitude each quantized format represents; scales map absmax onto it.
+_QUANT_MAX: dict[str, float] = {"int8": 127.0, "fp8": 448.0}
+
+
+@dataclass(frozen=True)
+class KVPoolLayout:
+    """Shape of one KV pool (device or host)."""
+
+    shape: KVShape
+    num_blocks: int
+    block_size: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+class KVPool:
+    """One set of KV block tensors (the device pool or the host offload pool)."""
+
+    def __init__(self, layout: KVPoolLayout, device: torch.device, pin_memory: bool = False):
+        self.layout = layout
+        kv = layout.shape
+        dims = (kv.num_layers, kv.num_kv_heads, layout.num_blocks, layout.block_size)
+        dtype = _STORAGE_DTYPES[kv.kv_dtype]
+        pin = pin_memory and device.type == "cpu" and torch.cuda.is_available()
+        self.key = torch.zeros(*dims, kv.head_dim, dtype=dtype, device=device, pin_memory=pin)
+        self.value = torch.zeros_like(self.key)
+        self.key_scale: torch.Tensor | None = None
+        self.value_scale: torch.Tensor | None = None
+        if kv.is_quantized:
+            self.key_scale = torch.zeros(*dims, dtype=torch.float32, device=device, pin_memory=pin)
+            self.value_scale = torch.zeros_like(self.key_scale)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """All tensors indexed by block on dim 2 (values and, when quantized, scales)."""
+        out = [self.key, self.value]
+        if self.key_scale is not None and self.value_scale is not None:
+            out += [self.key_scale, self.value_scale]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def copy_blocks(src: KVPool, dst: KVPool, pairs: list[tuple[int, int]]) -> None:
+    """Copy whole blocks ``src_block -> dst_block`` for every pair (across pools/devices).
+
+    All sources are read before any destination is written, so a block may appear as a
+    source and as a destination in the same call.
+    """
+    if not pairs:
+        return
+    src_device = src.key.device
+    dst_device = dst.key.device
+    src_ids = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src_device)
+    dst_ids = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst_device)
+    for src_tensor, dst_tensor in zip(src.tensors(), dst.tensors(), strict=True):
+        blocks = src_tensor.index_select(2, src_ids).to(dst_device, non_blocking=True)
+        dst_tensor.index_copy_(2, dst_ids, blocks)
+
+
+class PagedKVCache:
+    """The device pool the forward pass reads and writes, one layer at a time."""
+
+    def __init__(self, pool: KVPool, compute_dtype: torch.dtype):
+        self.pool = pool
+        self.compute_dtype = compute_dtype
+        kv = pool.layout.shape
+        self.block_size = pool.layout.block_size
+        self.quant_max = _QUANT_MAX.get(kv.kv_dtype)
+
+    def write(
+        self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """Store ``key``/``value`` ([tokens, kv_heads, head_dim]) into flat slot indices."""
+        self._write_one(layer, key, slots, self.pool.key, self.pool.key_scale)
+        self._write_one(layer, value, slots, self.pool.value, self.pool.value_scale)
+
+    def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given blocks as ``[kv_heads, len(block_ids) * block_size, head_dim]``
+        in the compute dtype (dequantized when the cache is quantized)."""
+        key = self._gather_one(layer, block_ids, self.pool.key, self.pool.key_scale)
+        value = self._gather_one(layer, block_ids, self.pool.value, self.pool.value_scale)
+        return key, value
+
+    def _write_one(
+        self,
+        layer: int,
+        states: torch.Tensor,
+        slots: torch.Tensor,
+        cache: torch.Tensor,
+        scales: torch.Tensor | None,
+    ) -> None:
+        heads, _, _, head_dim = cache.shape[1:]
+        flat = cache[layer].view(heads, -1, head_dim)
+        per_head = states.transpose(0, 1)  # [kv_heads, tokens, head_dim]
+        if scales is None or self.quant_max is None:
+            flat.index_copy_(1, slots, per_head.to(cache.dtype))
+            return
+        absmax = per_head.abs().amax(dim=-1).float().clamp_min(1e-8)
+        scale = absmax / self.quant_max
+        quantized = per_head.float() / scale.unsqueeze(-1)
+        if cache.dtype == torch.int8:
+            quantized = quantized.round().clamp(-127, 127)
+        flat.index_copy_(1, slots, quantized.to(cache.dtype))
+        scales[layer].view(heads, -1).index_copy_(1, slots, scale)
+
+    def _gather_one(
+        self,
+        layer: int,
+        block_ids: torch.Tensor,
+        cache: torch.Tensor,
+        scales: torch.Tensor | None,
+    ) -> torch.Tensor:
+        heads, _, _, head_dim = cache.shape[1:]
+        blocks = cache[layer].index_select(1, block_ids)
+        tokens = blocks.view(heads, -1, head_dim)
+        if scales is None:
+            return tokens if tokens.dtype == self.compute_dtype else tokens.to(self.compute_dtype)
+        token_scales = scales[layer].index_select(1, block_ids).view(heads, -1, 1)
+        return (tokens.to(torch.float32) * token_scales).to(self.compute_dtype)
