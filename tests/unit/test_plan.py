@@ -1,0 +1,160 @@
+"""`kvserve plan` on configs written by the test: figures checked against hand arithmetic."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.kv.accounting import GIB
+from server.plan import PlanReport, add_plan_parser, build_report, run_plan
+from tests.conftest import smollm_gguf_path, tiny_llama_config
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvserve")
+    add_plan_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["plan", *argv])
+
+
+def write_config(tmp_path: Path, **overrides: object) -> Path:
+    """A model directory with only config.json: the plan must not need weights."""
+    tiny_llama_config(**overrides).save_pretrained(tmp_path)
+    assert not any(tmp_path.glob("*.safetensors"))
+    return tmp_path
+
+
+def llama_parameters(
+    *, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, inter: int, tied: bool
+) -> int:
+    head_dim = hidden // heads
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    per_layer = attention + 3 * hidden * inter + 2 * hidden
+    return vocab * hidden * (1 if tied else 2) + layers * per_layer + hidden
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_parameter_count_and_weight_bytes(tmp_path: Path, tied: bool) -> None:
+    model = write_config(tmp_path, num_layers=3, num_kv_heads=2, tie_embeddings=tied)
+    report = build_report(parse("--model", str(model), "--device", "cpu", "--dtype", "float16"))
+    expected = llama_parameters(
+        vocab=256, hidden=64, layers=3, heads=4, kv_heads=2, inter=128, tied=tied
+    )
+    assert report.num_parameters == expected
+    assert report.weight_bytes == expected * 2
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "per_head_bytes"),
+    [("float32", 16 * 4), ("float16", 16 * 2), ("int8", 16 + 4)],  # int8: + float32 scale
+)
+def test_bytes_per_token_follow_the_formula(
+    tmp_path: Path, kv_dtype: str, per_head_bytes: int
+) -> None:
+    model = write_config(tmp_path, num_layers=3, num_kv_heads=2)  # head_dim = 64 / 4 = 16
+    report = build_report(parse("--model", str(model), "--kv-cache-dtype", kv_dtype))
+    assert report.bytes_per_token == 2 * 3 * 2 * per_head_bytes
+    assert report.bytes_per_block == 16 * report.bytes_per_token
+
+
+def test_kv_dtype_auto_follows_the_serving_dtype(tmp_path: Path) -> None:
+    model = str(write_config(tmp_path))
+    assert build_report(parse("--model", model, "--device", "cpu")).kv_cache_dtype == "float32"
+    cuda = build_report(parse("--model", model, "--device", "cuda"))
+    assert (cuda.dtype, cuda.kv_cache_dtype) == ("bfloat16", "bfloat16")
+
+
+def test_sequences_demand_and_fit(tmp_path: Path) -> None:
+    model = str(write_config(tmp_path, num_layers=2, num_kv_heads=2))
+    per_token = 2 * 2 * 2 * 16 * 4
+
+    def plan(concurrency: int) -> PlanReport:
+        flags = ["--model", model, "--device", "cpu", "--max-model-len", "1000"]
+        flags += ["--avg-len", "100", "--block-size", "16", "--num-kv-blocks", "640"]
+        return build_report(parse(*flags, "-c", str(concurrency)))
+
+    report = plan(90)
+    assert report.at_max_len.blocks == 63  # ceil(1000 / 16)
+    assert report.at_max_len.payload_bytes == 1000 * per_token
+    assert report.at_max_len.padding_bytes == (63 * 16 - 1000) * per_token
+    assert report.at_avg_len.blocks == 7  # ceil(100 / 16)
+    assert report.demand_blocks == 90 * 7
+    assert report.demand_bytes == 90 * 7 * 16 * per_token
+    assert report.fits  # 630 <= 640 blocks
+    assert report.max_concurrency_at_avg_len == 640 // 7
+    assert report.max_concurrency_at_max_len == 640 // 63
+    assert report.token_capacity == 640 * 16
+    assert not plan(92).fits  # 644 > 640 blocks
+
+
+def test_memory_budget_sizes_the_pool(tmp_path: Path) -> None:
+    model = write_config(tmp_path)
+    args = parse(
+        "--model", str(model), "--device", "cpu", "--memory", "0.5",
+        "--activation-reserve", "0.125", "--max-model-len", "512",
+    )  # fmt: skip
+    report = build_report(args)
+    weights = report.num_parameters * 4
+    kv_budget = GIB // 2 - weights - GIB // 8
+    assert report.kv_budget_bytes == kv_budget
+    assert report.num_blocks == kv_budget // report.bytes_per_block
+    assert report.kv_pool_bytes == report.num_blocks * report.bytes_per_block
+
+
+def test_kv_cache_memory_mirrors_serve_on_cpu(tmp_path: Path) -> None:
+    model = write_config(tmp_path)
+    report = build_report(parse("--model", str(model), "--kv-cache-memory", "0.25"))
+    assert report.kv_budget_bytes == GIB // 4
+    assert report.num_blocks == (GIB // 4) // report.bytes_per_block
+
+
+def test_a_budget_below_the_weights_does_not_fit(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    model = write_config(tmp_path)
+    assert run_plan(parse("--model", str(model), "--memory", "0.0001")) == 1
+    assert "fits                NO" in capsys.readouterr().out
+
+
+def test_json_output(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    model = write_config(tmp_path)
+    assert run_plan(parse("--model", str(model), "--json", "--max-model-len", "256")) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["max_model_len"] == 256
+    assert data["at_max_len"]["blocks"] == 16
+    assert data["fits"] is True
+    assert data["bytes_per_block"] == data["bytes_per_token"] * data["block_size"]
+
+
+def test_text_output_names_every_figure(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    model = write_config(tmp_path)
+    assert run_plan(parse("--model", str(model), "-c", "4", "--avg-len", "300")) == 0
+    out = capsys.readouterr().out
+    for words in ("bytes per token", "per seq (max len)", "per seq (avg len)", "demand at C=4",
+                  "weights", "budget", "KV pool", "fits", "max concurrency"):  # fmt: skip
+        assert words in out
+
+
+def test_bad_input_exits_2_with_a_message(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert run_plan(parse("--model", str(tmp_path / "missing"))) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert run_plan(parse("--model", str(write_config(tmp_path)), "-c", "0")) == 2
+    assert "--concurrency must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse("--memory", "1", "--num-kv-blocks", "5")  # mutually exclusive budgets
+
+
+@pytest.mark.slow
+def test_embedded_gguf_reads_metadata_only() -> None:
+    gguf = smollm_gguf_path()
+    report = build_report(parse("--device", "cpu", "--max-model-len", "2048"))
+    assert str(gguf) in report.config_source
+    assert (report.num_layers, report.num_kv_heads, report.head_dim) == (30, 3, 64)
+    # SmolLM2-135M: tied embeddings, 49152 x 576 vocabulary, 30 layers of 9/3 heads.
+    expected = llama_parameters(
+        vocab=49152, hidden=576, layers=30, heads=9, kv_heads=3, inter=1536, tied=True
+    )
+    assert report.num_parameters == expected
+    assert report.weight_bytes == expected * 4
+    assert "dequantised to float32" in report.weights_note
+    assert report.bytes_per_token == 2 * 30 * 3 * 64 * 4
