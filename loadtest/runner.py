@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Any
 
 import httpx
 
@@ -245,7 +246,7 @@ def _client(config: LoadTestConfig) -> httpx.AsyncClient:
     )
 
 
-async def _cancel(task: asyncio.Task[None]) -> None:
+async def _cancel(task: asyncio.Task[Any]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
@@ -258,7 +259,9 @@ async def run_loadtest(config: LoadTestConfig, *, progress: bool = True) -> RunR
         model = config.model or await discover_model(client, config.base_url)
         ctx = RunContext(config, client, model)
         scraper = MetricsScraper(client, config.base_url, config.scrape_interval_s, ctx.t0)
-        scrape_task = asyncio.create_task(scraper.run())
+        scrape_task = asyncio.create_task(
+            scraper.poll() if await scraper.start() else asyncio.sleep(0)
+        )
         bar = ProgressBar(config.request_limit, enabled=progress)
         progress_task = asyncio.create_task(_tick_progress(ctx, bar))
         drive: Awaitable[None] = (

@@ -114,10 +114,10 @@ def parse_metrics(text: str, specs: tuple[MetricSpec, ...] = METRICS) -> dict[st
 
 @dataclass
 class MetricsScraper:
-    """Polls ``{base_url}/metrics`` every ``interval_s`` until cancelled.
+    """Scrapes ``{base_url}/metrics``: once before the run, then every ``interval_s``.
 
-    If the first scrape finds no Prometheus endpoint, scraping stops (``available`` False);
-    later failures (a busy server timing out) are counted and skipped.
+    If the first scrape finds no Prometheus endpoint there is no polling (``available``
+    False); later failures (a busy server timing out) are counted and skipped.
     """
 
     client: httpx.AsyncClient
@@ -142,10 +142,14 @@ class MetricsScraper:
         self.samples.append(values)
         return True
 
-    async def run(self) -> None:
+    async def start(self) -> bool:
+        """The baseline scrape, taken before the first request so counter increases
+        cover the whole run. Returns whether the server has a Prometheus endpoint."""
         self.available = await self.scrape_once()
-        if not self.available:
-            return
+        return self.available
+
+    async def poll(self) -> None:
+        """Scrape every ``interval_s`` until cancelled."""
         while True:
             await asyncio.sleep(self.interval_s)
             await self.scrape_once()

@@ -10,6 +10,7 @@ busy CPU.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import threading
@@ -162,7 +163,9 @@ def test_statistics_match_injected_delays(fake_server: tuple[str, FakeBehaviour]
     }
     latency = summary["latency_s"]
     assert TTFT_S <= latency["ttft"]["p50"] <= TTFT_S + SLACK_S
-    assert ITL_S <= latency["itl"]["p50"] <= ITL_S + SLACK_S / 3
+    # Chunks delayed by a busy CPU arrive bunched, so single gaps may be a bit short;
+    # the per-request mean (tpot) cannot be.
+    assert 0.8 * ITL_S <= latency["itl"]["p50"] <= ITL_S + SLACK_S / 3
     assert latency["itl"]["count"] == 12 * (MAX_TOKENS - 1)
     assert E2E_S <= latency["e2e"]["p50"] <= E2E_S + SLACK_S
     assert ITL_S <= latency["tpot"]["p50"] <= ITL_S + SLACK_S / 3
@@ -199,11 +202,10 @@ def test_each_turn_resends_the_whole_history(fake_server: tuple[str, FakeBehavio
 
 def test_goodput_counts_requests_within_the_slo(fake_server: tuple[str, FakeBehaviour]) -> None:
     url, _ = fake_server
-    base = {"url": url, "concurrency": 2, "turns": 2, "max_tokens": 4}
-    strict = _run(LoadTestConfig(**base, slo=SLO(ttft_s=TTFT_S / 2, itl_s=1.0)))["summary"][
-        "goodput"
-    ]
-    loose = _run(LoadTestConfig(**base, slo=SLO(ttft_s=5.0, itl_s=1.0)))["summary"]["goodput"]
+    base = LoadTestConfig(url=url, concurrency=2, turns=2, max_tokens=4)
+    strict_slo, loose_slo = SLO(ttft_s=TTFT_S / 2, itl_s=1.0), SLO(ttft_s=5.0, itl_s=1.0)
+    strict = _run(dataclasses.replace(base, slo=strict_slo))["summary"]["goodput"]
+    loose = _run(dataclasses.replace(base, slo=loose_slo))["summary"]["goodput"]
     assert strict["good_requests"] == 0 and strict["fraction"] == 0.0
     assert loose["good_requests"] == 4 and loose["fraction"] == 1.0
 
