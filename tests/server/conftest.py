@@ -1,0 +1,117 @@
+"""Live kvserve servers for the HTTP tests: real uvicorn on 127.0.0.1, random port,
+serving the tiny random Llama from ``tiny_model_dir`` (one server per configuration)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.config import EngineArgs
+from server.app import build_app, serving_context
+from server.routes.context import ServingContext
+from server.settings import ServerSettings
+
+TINY_MODEL_NAME = "tiny-llama"
+TINY_MAX_MODEL_LEN = 1024
+TINY_NUM_BLOCKS = 512
+
+
+@dataclass
+class LiveServer:
+    url: str
+    ctx: ServingContext
+    built: Any
+
+    @property
+    def v1(self) -> str:
+        return f"{self.url}/v1"
+
+    def wait_idle(self, timeout_s: float = 10.0) -> Any:
+        """Wait until the engine holds no request and no used block; return the stats."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.ctx.engine.stats()
+            idle = stats.num_running + stats.num_waiting + stats.num_swapped == 0
+            if idle and stats.device_blocks.used == 0:
+                return stats
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine not idle after {timeout_s}s: {stats}")
+            time.sleep(0.02)
+
+
+def tiny_engine_args(model_dir: Path, **overrides: Any) -> EngineArgs:
+    defaults: dict[str, Any] = {
+        "model": str(model_dir),
+        "device": "cpu",
+        "dtype": "float32",
+        "max_model_len": TINY_MAX_MODEL_LEN,
+        "num_kv_blocks": TINY_NUM_BLOCKS,
+        "block_size": 16,
+        "swap_space_gib": 0.01,
+        "max_num_seqs": 64,
+        "max_num_batched_tokens": 1024,
+    }
+    defaults.update(overrides)
+    return EngineArgs(**defaults)
+
+
+@contextmanager
+def live_server(built: Any, settings: ServerSettings) -> Iterator[LiveServer]:
+    """Run uvicorn in a thread on a pre-bound 127.0.0.1 socket; stop it on exit."""
+    import uvicorn
+
+    ctx = serving_context(built, settings)
+    app = build_app(ctx)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield LiveServer(f"http://127.0.0.1:{port}", ctx, built)
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
+def build_tiny(model_dir: Path, **overrides: Any) -> Any:
+    from engine.builder import build_engine
+
+    return build_engine(tiny_engine_args(model_dir, **overrides))
+
+
+@pytest.fixture(scope="session")
+def tiny_built(tiny_model_dir: Path) -> Any:
+    return build_tiny(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_built: Any) -> Iterator[LiveServer]:
+    """The default server: no auth, the tiny model under the name ``tiny-llama``."""
+    settings = ServerSettings(served_model_names=(TINY_MODEL_NAME, "alias"), max_n=8)
+    with live_server(tiny_built, settings) as live:
+        yield live
+
+
+@pytest.fixture(scope="session")
+def client(server: LiveServer) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=60)

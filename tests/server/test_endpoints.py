@@ -1,0 +1,67 @@
+"""Models, tokenize/detokenize, health, version and metrics endpoints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from tests.server.conftest import TINY_MAX_MODEL_LEN, TINY_MODEL_NAME, LiveServer
+
+
+def test_models_list_and_retrieve(client: Any):
+    models = client.models.list()
+    ids = [m.id for m in models.data]
+    assert ids == [TINY_MODEL_NAME, "alias"]
+    model = client.models.retrieve("alias")
+    assert model.id == "alias" and model.object == "model" and model.owned_by == "kvserve"
+
+
+def test_models_report_max_model_len(server: LiveServer):
+    data = httpx.get(f"{server.url}/v1/models").json()
+    assert data["object"] == "list"
+    assert data["data"][0]["max_model_len"] == TINY_MAX_MODEL_LEN
+
+
+def test_tokenize_prompt_and_detokenize_round_trip(server: LiveServer):
+    text = "Tokenize me, please: 東京 🎉"
+    resp = httpx.post(f"{server.url}/tokenize", json={"model": TINY_MODEL_NAME, "prompt": text})
+    body = resp.json()
+    assert resp.status_code == 200
+    assert body["count"] == len(body["tokens"]) > 0
+    assert body["max_model_len"] == TINY_MAX_MODEL_LEN
+    back = httpx.post(
+        f"{server.url}/detokenize", json={"model": TINY_MODEL_NAME, "tokens": body["tokens"]}
+    )
+    assert back.json() == {"prompt": text}
+
+
+def test_tokenize_messages_applies_the_chat_template(server: LiveServer):
+    messages = [{"role": "user", "content": "hello"}]
+    body = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": body["tokens"]}).json()
+    assert "hello" in text["prompt"] and len(text["prompt"]) > len("hello")
+
+
+def test_tokenize_errors(server: LiveServer):
+    both = {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}
+    assert httpx.post(f"{server.url}/tokenize", json=both).status_code == 400
+    assert httpx.post(f"{server.url}/tokenize", json={}).status_code == 400
+    bad = httpx.post(f"{server.url}/detokenize", json={"tokens": [-5]})
+    assert bad.status_code == 400 and "-5" in bad.json()["error"]["message"]
+    wrong_model = httpx.post(f"{server.url}/tokenize", json={"model": "x", "prompt": "y"})
+    assert wrong_model.status_code == 404
+
+
+def test_health_and_version(server: LiveServer):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    version = httpx.get(f"{server.url}/version").json()["version"]
+    assert version and version != "unknown"
+
+
+def test_metrics_endpoint_serves_prometheus_text(server: LiveServer, client: Any):
+    client.completions.create(model=TINY_MODEL_NAME, prompt="metrics", max_tokens=2)
+    resp = httpx.get(f"{server.url}/metrics")
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/plain")
+    assert "kvserve_" in resp.text
