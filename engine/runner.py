@@ -1,0 +1,110 @@
+"""ModelRunner: owns the weights and the KV pools on one device and executes steps.
+
+One ``execute`` call does, in order: swap-out (device -> host), swap-in (host -> device),
+block copies (copy-on-write), then one forward over the flattened new tokens of every
+scheduled request, then sampling for the rows whose ``sample`` flag is set. It decides
+nothing: every block id comes from the scheduler's ``SchedulerOutput``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.attention import SequenceChunk, build_metadata
+from engine.model.kv_cache import KVPool, PagedKVCache, copy_blocks
+from engine.model.llama import LlamaModel
+from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.sampler import Sampler, SamplingRow
+
+
+class ModelRunner:
+    """Executes ``SchedulerOutput``s against a model and its KV pools."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        device_pool: KVPool,
+        host_pool: KVPool | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+        seed: int = 0,
+    ):
+        self.model = model
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.cache = PagedKVCache(device_pool, model.dtype)
+        self.sampler = Sampler(eos_token_ids=eos_token_ids, seed=seed)
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        out = scheduler_output
+        self.sampler.forget(out.finished_request_ids)
+        self._move_blocks(out)
+        if not out.scheduled:
+            return RunnerOutput()
+        batch = _decodes_first(out.scheduled)
+        logits = self._forward(batch)
+        return self._sample(batch, logits)
+
+    def _move_blocks(self, out: SchedulerOutput) -> None:
+        if out.swap_out or out.swap_in:
+            if self.host_pool is None:
+                raise RuntimeError("the scheduler asked for a swap but there is no host pool")
+            copy_blocks(self.device_pool, self.host_pool, out.swap_out)
+            copy_blocks(self.host_pool, self.device_pool, out.swap_in)
+        copy_blocks(self.device_pool, self.device_pool, out.copies)
+
+    def _forward(self, batch: list[ScheduledRequest]) -> torch.Tensor:
+        """Logits ``[sampled rows, vocab]`` for the requests in ``batch`` that sample."""
+        model = self.model
+        chunks = [
+            SequenceChunk(r.num_computed_tokens, r.num_new_tokens, r.block_ids) for r in batch
+        ]
+        meta = build_metadata(chunks, self.block_size, model.dtype, model.device)
+        flat_ids = [t for r in batch for t in r.token_ids]
+        token_ids = torch.tensor(flat_ids, dtype=torch.long).to(model.device, non_blocking=True)
+        hidden = model.forward(token_ids, meta, self.cache)
+        last_rows: list[int] = []
+        end = 0
+        for request in batch:
+            end += request.num_new_tokens
+            if request.sample:
+                last_rows.append(end - 1)
+        if not last_rows:
+            return hidden.new_empty(0, model.spec.vocab_size, dtype=torch.float32)
+        if len(last_rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(last_rows, device=hidden.device)]
+        return model.logits(hidden)
+
+    def _sample(self, batch: list[ScheduledRequest], logits: torch.Tensor) -> RunnerOutput:
+        rows = [
+            SamplingRow(
+                request_id=r.request_id,
+                params=r.sampling_params,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids,
+                seed=r.seed,
+            )
+            for r in batch
+            if r.sample
+        ]
+        result = RunnerOutput()
+        if not rows:
+            return result
+        sampled = self.sampler.sample(logits, rows)
+        for row, token, logprob in zip(rows, sampled.token_ids, sampled.logprobs, strict=True):
+            result.sampled_token_ids[row.request_id] = token
+            if logprob is not None:
+                result.logprobs[row.request_id] = logprob
+        return result
+
+
+def _decodes_first(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """The attention metadata wants single-token continuations before prefill chunks."""
+    decodes = [r for r in scheduled if r.num_new_tokens == 1 and r.num_computed_tokens > 0]
+    if len(decodes) == len(scheduled):
+        return scheduled
+    others = [r for r in scheduled if not (r.num_new_tokens == 1 and r.num_computed_tokens > 0)]
+    return decodes + others

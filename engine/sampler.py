@@ -1,0 +1,254 @@
+"""Batched token sampling: one set of tensor ops over all rows, whatever their parameters.
+
+Order of operations on the float32 logits of each row:
+    raw logprobs (what ``logprobs`` reports, as vLLM does by default)
+    -> penalties (repetition over prompt+output, presence/frequency over output)
+    -> logit_bias -> min_tokens mask (EOS and stop ids)
+    -> greedy rows: argmax
+    -> other rows: / temperature -> top_k -> top_p -> min_p -> draw
+
+Draws use the exponential race (argmax of p / E with E ~ Exp(1)), which equals sampling
+from p. A seeded request draws its noise from its own ``torch.Generator`` (one row of
+vocabulary-sized noise per step), so its tokens do not depend on what else is in the
+batch; unseeded rows share the sampler's generator. The only per-request Python work is
+building small index lists and drawing each seeded row's noise; nothing loops over the
+vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import TokenLogprob
+from engine.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the sampler needs for one row of logits."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    seed: int | None = None
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    """Samples one token per row; keeps per-request generators until ``forget``."""
+
+    def __init__(self, eos_token_ids: tuple[int, ...] = (), seed: int = 0):
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._seed = seed
+        self._shared: dict[torch.device, torch.Generator] = {}
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop the generators of requests that left the engine."""
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+        logits = logits.to(torch.float32)
+        raw_logprobs = _raw_logprobs(logits, rows)
+        logits = self._process(logits, rows)
+        tokens = self._choose(logits, rows)
+        token_list: list[int] = tokens.tolist()
+        logprobs = _gather_logprobs(raw_logprobs, tokens, rows) if raw_logprobs is not None else []
+        return SampleResult(token_list, logprobs or [None] * len(rows))
+
+    # -- logit processing ------------------------------------------------------------------
+
+    def _process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        if any(r.params.needs_penalties for r in rows):
+            logits = apply_penalties(logits, rows)
+        if any(r.params.logit_bias for r in rows):
+            logits = apply_logit_bias(logits, rows)
+        if any(len(r.output_token_ids) < r.params.min_tokens for r in rows):
+            logits = self._mask_stops_before_min_tokens(logits, rows)
+        return logits
+
+    def _mask_stops_before_min_tokens(
+        self, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> torch.Tensor:
+        row_index: list[int] = []
+        token_index: list[int] = []
+        vocab = logits.shape[-1]
+        for i, row in enumerate(rows):
+            if len(row.output_token_ids) >= row.params.min_tokens:
+                continue
+            stops = {*row.params.stop_token_ids, *self.eos_token_ids}
+            stops = {t for t in stops if 0 <= t < vocab}
+            row_index += [i] * len(stops)
+            token_index += sorted(stops)
+        if row_index:
+            device = logits.device
+            logits = logits.index_put(
+                (torch.tensor(row_index, device=device), torch.tensor(token_index, device=device)),
+                torch.tensor(float("-inf"), device=device),
+            )
+        return logits
+
+    # -- choosing tokens -------------------------------------------------------------------
+
+    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            return logits.argmax(dim=-1)
+        device = logits.device
+        temperature = torch.tensor(
+            [1.0 if r.params.greedy else r.params.temperature for r in rows], device=device
+        )
+        probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
+        probs = apply_truncation(probs, rows)
+        noise = self._exponential_noise(rows, probs.shape[-1], device)
+        sampled = (probs / noise).argmax(dim=-1)
+        if not any(greedy):
+            return sampled
+        greedy_mask = torch.tensor(greedy, device=device)
+        return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
+
+    def _exponential_noise(
+        self, rows: list[SamplingRow], vocab: int, device: torch.device
+    ) -> torch.Tensor:
+        noise = torch.empty(len(rows), vocab, device=device)
+        noise.exponential_(generator=self._shared_generator(device))
+        for i, row in enumerate(rows):
+            if row.seed is not None and not row.params.greedy:
+                noise[i].exponential_(generator=self._generator_for(row, device))
+        return noise
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._shared.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device).manual_seed(self._seed)
+            self._shared[device] = generator
+        return generator
+
+    def _generator_for(self, row: SamplingRow, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(row.request_id)
+        if generator is None:
+            assert row.seed is not None
+            generator = torch.Generator(device=device).manual_seed(row.seed)
+            self._generators[row.request_id] = generator
+        return generator
+
+
+def _padded_ids(
+    id_lists: list[list[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad id lists into ``[rows, max_len]`` (pad id 0) and a validity mask."""
+    width = max(1, max(len(ids) for ids in id_lists))
+    padded = torch.zeros(len(id_lists), width, dtype=torch.long)
+    valid = torch.zeros(len(id_lists), width, dtype=torch.bool)
+    for i, ids in enumerate(id_lists):
+        if ids:
+            padded[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+            valid[i, : len(ids)] = True
+    return padded.to(device), valid.to(device)
+
+
+def token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[rows, vocab]`` occurrence counts of each token id in each row's list."""
+    padded, valid = _padded_ids(id_lists, device)
+    counts = torch.zeros(len(id_lists), vocab, device=device)
+    counts.scatter_add_(1, padded.clamp(0, vocab - 1), valid.to(counts.dtype))
+    return counts
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition penalty over prompt+output tokens (divide positive logits, multiply
+    negative ones); presence and frequency penalties over output tokens (OpenAI)."""
+    vocab, device = logits.shape[-1], logits.device
+    output_counts = token_counts([r.output_token_ids for r in rows], vocab, device)
+    prompt_seen = token_counts([r.prompt_token_ids for r in rows], vocab, device) > 0
+    seen = prompt_seen | (output_counts > 0)
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, device=device).unsqueeze(1)
+
+    repetition = column([r.params.repetition_penalty for r in rows])
+    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - column([r.params.frequency_penalty for r in rows]) * output_counts
+    presence = column([r.params.presence_penalty for r in rows])
+    return logits - presence * (output_counts > 0).to(logits.dtype)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    row_index: list[int] = []
+    token_index: list[int] = []
+    bias: list[float] = []
+    for i, row in enumerate(rows):
+        for token, value in row.params.logit_bias:
+            if 0 <= token < vocab:
+                row_index.append(i)
+                token_index.append(token)
+                bias.append(value)
+    device = logits.device
+    index = (torch.tensor(row_index, device=device), torch.tensor(token_index, device=device))
+    return logits.index_put(index, torch.tensor(bias, device=device), accumulate=True)
+
+
+def apply_truncation(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """top_k, top_p and min_p on probabilities (rows not using one get a no-op value)."""
+    device = probs.device
+    use_top_k = any(r.params.top_k > 0 for r in rows)
+    use_top_p = any(r.params.top_p < 1.0 for r in rows)
+    if use_top_k or use_top_p:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+        if use_top_k:
+            vocab = probs.shape[-1]
+            k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows])
+            ranks = torch.arange(vocab, device=device).unsqueeze(0)
+            keep &= ranks < k.to(device).unsqueeze(1)
+        if use_top_p:
+            top_p = torch.tensor([r.params.top_p for r in rows], device=device).unsqueeze(1)
+            # Keep a token while the mass before it is below top_p (the first always stays).
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            keep &= mass_before < top_p
+        keep_unsorted = torch.zeros_like(keep).scatter(1, order, keep)
+        probs = probs * keep_unsorted
+    if any(r.params.min_p > 0.0 for r in rows):
+        min_p = torch.tensor([r.params.min_p for r in rows], device=device).unsqueeze(1)
+        threshold = probs.amax(dim=-1, keepdim=True) * min_p
+        probs = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
+    return probs
+
+
+def _raw_logprobs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
+    if all(r.params.logprobs is None for r in rows):
+        return None
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _gather_logprobs(
+    logprobs: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]
+) -> list[TokenLogprob | None]:
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    top_n = max(r.params.logprobs or 0 for r in rows)
+    top_values: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    if top_n > 0:
+        values, ids = logprobs.topk(top_n, dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    token_list = tokens.tolist()
+    out: list[TokenLogprob | None] = []
+    for i, row in enumerate(rows):
+        wanted = row.params.logprobs
+        if wanted is None:
+            out.append(None)
+            continue
+        top = tuple(zip(top_ids[i][:wanted], top_values[i][:wanted], strict=True)) if wanted else ()
+        out.append(TokenLogprob(token_id=token_list[i], logprob=chosen[i], top=top))
+    return out

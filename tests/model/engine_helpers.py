@@ -1,0 +1,68 @@
+"""Test helpers: drive a real EngineCore (scheduler + ModelRunner) to completion."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.core import EngineCore
+from engine.kv.accounting import KVShape
+from engine.model.kv_cache import KVPool, KVPoolLayout
+from engine.model.llama import LlamaModel
+from engine.request import Request, SamplingParams
+from engine.runner import ModelRunner
+from engine.scheduler import Scheduler
+
+
+def make_core(
+    model: LlamaModel,
+    cache: CacheConfig,
+    scheduler: SchedulerConfig | None = None,
+    eos_token_ids: tuple[int, ...] = (),
+    kv_dtype: str = "float32",
+) -> EngineCore:
+    spec = model.spec
+    shape = KVShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype)
+    device_pool = KVPool(
+        KVPoolLayout(shape, cache.num_device_blocks, cache.block_size), model.device
+    )
+    host_pool = None
+    if cache.num_host_blocks:
+        host_layout = KVPoolLayout(shape, cache.num_host_blocks, cache.block_size)
+        host_pool = KVPool(host_layout, torch.device("cpu"))
+    runner = ModelRunner(model, device_pool, host_pool, eos_token_ids=eos_token_ids)
+    return EngineCore(Scheduler(scheduler or SchedulerConfig(), cache, shape), runner)
+
+
+def greedy(max_tokens: int, **extra: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **extra)
+
+
+def run_all(
+    core: EngineCore, prompts: dict[str, list[int]], params: dict[str, SamplingParams]
+) -> dict[str, list[int]]:
+    """Add every prompt, step until all finish (checking invariants after each step) and
+    return each request's output token ids."""
+    outputs: dict[str, list[int]] = {rid: [] for rid in prompts}
+    for rid, prompt in prompts.items():
+        core.add_request([Request(rid, list(prompt), params[rid])])
+    for _ in range(10_000):
+        if not core.has_unfinished():
+            break
+        for delta in core.step():
+            outputs[delta.request_id].extend(delta.new_token_ids)
+        core.scheduler.check_integrity()
+    assert not core.has_unfinished()
+    return outputs
+
+
+def reference_greedy(reference: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy continuation from transformers (full forward each step, no EOS stop)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = reference(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt) :]
