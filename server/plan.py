@@ -306,10 +306,15 @@ def _resolve_device(device: str) -> str:
 
 
 def _resolve_dtype(dtype: str, device: str) -> str:
-    """Mirror serve's ``--dtype auto``: bfloat16 on CUDA, float32 on CPU."""
+    """Mirror serve's ``--dtype auto``: bfloat16 on CUDA; on CPU float32 unless the CPU has
+    native bf16 matrix units (the builder's own test)."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if device == "cuda" else "float32"
+    if device == "cuda":
+        return "bfloat16"
+    from engine.builder import cpu_has_native_bf16
+
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
 
 
 def _check_positive(args: argparse.Namespace) -> None:

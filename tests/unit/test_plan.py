@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.builder import cpu_has_native_bf16
 from engine.kv.accounting import GIB
 from server.plan import PlanReport, add_plan_parser, build_report, run_plan
 from tests.conftest import smollm_gguf_path, tiny_llama_config
@@ -61,7 +62,9 @@ def test_bytes_per_token_follow_the_formula(
 
 def test_kv_dtype_auto_follows_the_serving_dtype(tmp_path: Path) -> None:
     model = str(write_config(tmp_path))
-    assert build_report(parse("--model", model, "--device", "cpu")).kv_cache_dtype == "float32"
+    cpu = build_report(parse("--model", model, "--device", "cpu"))
+    assert cpu.dtype == ("bfloat16" if cpu_has_native_bf16() else "float32")
+    assert cpu.kv_cache_dtype == cpu.dtype
     cuda = build_report(parse("--model", model, "--device", "cuda"))
     assert (cuda.dtype, cuda.kv_cache_dtype) == ("bfloat16", "bfloat16")
 
@@ -71,7 +74,16 @@ def test_sequences_demand_and_fit(tmp_path: Path) -> None:
     per_token = 2 * 2 * 2 * 16 * 4
 
     def plan(concurrency: int) -> PlanReport:
-        flags = ["--model", model, "--device", "cpu", "--max-model-len", "1000"]
+        flags = [
+            "--model",
+            model,
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "1000",
+        ]
         flags += ["--avg-len", "100", "--block-size", "16", "--num-kv-blocks", "640"]
         return build_report(parse(*flags, "-c", str(concurrency)))
 
@@ -92,7 +104,7 @@ def test_sequences_demand_and_fit(tmp_path: Path) -> None:
 def test_memory_budget_sizes_the_pool(tmp_path: Path) -> None:
     model = write_config(tmp_path)
     args = parse(
-        "--model", str(model), "--device", "cpu", "--memory", "0.5",
+        "--model", str(model), "--device", "cpu", "--dtype", "float32", "--memory", "0.5",
         "--activation-reserve", "0.125", "--max-model-len", "512",
     )  # fmt: skip
     report = build_report(args)
@@ -147,7 +159,7 @@ def test_bad_input_exits_2_with_a_message(tmp_path: Path, capsys) -> None:  # ty
 @pytest.mark.slow
 def test_embedded_gguf_reads_metadata_only() -> None:
     gguf = smollm_gguf_path()
-    report = build_report(parse("--device", "cpu", "--max-model-len", "2048"))
+    report = build_report(parse("--device", "cpu", "--dtype", "float32", "--max-model-len", "2048"))
     assert str(gguf) in report.config_source
     assert (report.num_layers, report.num_kv_heads, report.head_dim) == (30, 3, 64)
     # SmolLM2-135M: tied embeddings, 49152 x 576 vocabulary, 30 layers of 9/3 heads.
