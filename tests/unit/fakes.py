@@ -175,3 +175,22 @@ def drive(core: EngineCore, max_steps: int = 20_000) -> dict[str, list[int]]:
             outputs.setdefault(delta.request_id, []).extend(delta.new_token_ids)
         core.scheduler.check_integrity()
     raise AssertionError(f"still unfinished after {max_steps} steps (livelock?)")
+
+
+class ScriptedRunner:
+    """Samples scripted tokens per request id (then ``default``), ignoring the KV."""
+
+    def __init__(self, script: dict[str, list[int]] | None = None, default: int = 1) -> None:
+        self.script = {rid: list(tokens) for rid, tokens in (script or {}).items()}
+        self.default = default
+        self.steps: list[SchedulerOutput] = []
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        self.steps.append(scheduler_output)
+        result = RunnerOutput()
+        for req in scheduler_output.scheduled:
+            if req.sample:
+                tokens = self.script.get(req.request_id)
+                token = tokens.pop(0) if tokens else self.default
+                result.sampled_token_ids[req.request_id] = token
+        return result
