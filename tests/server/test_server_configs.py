@@ -76,7 +76,8 @@ def test_full_queue_is_503_with_retry_after(queue_server: LiveServer):
     long = {**CHAT, "max_tokens": 900, "ignore_eos": True, "stream": True}
     url = f"{queue_server.url}/v1/chat/completions"
     with httpx.stream("POST", url, json=long, timeout=60) as running:
-        next(running.iter_lines())  # the first request is running
+        lines = running.iter_lines()  # keep the iterator: dropping it closes the connection
+        next(lines)
         short = {**CHAT, "ignore_eos": True}
         waiting = threading.Thread(target=httpx.post, args=(url,), kwargs={"json": short})
         waiting.start()
@@ -88,6 +89,7 @@ def test_full_queue_is_503_with_retry_after(queue_server: LiveServer):
     assert rejected.status_code == 503
     assert rejected.headers["retry-after"] == "1"
     assert rejected.json()["error"]["code"] == "queue_full"
+    assert "queued" in rejected.json()["error"]["message"]
     waiting.join(60)
 
 
