@@ -311,7 +311,7 @@ class Scheduler:
             token_ids=request.all_token_ids[start:end],
             num_computed_tokens=start,
             block_ids=self.kv.tables[request.request_id],
-            sample=end == request.num_tokens,
+            sample=end == len(request.all_token_ids),
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
@@ -330,7 +330,7 @@ class Scheduler:
             request = self._requests.get(scheduled.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted since the step was built
-            request.num_computed_tokens += scheduled.num_new_tokens
+            request.num_computed_tokens += len(scheduled.token_ids)
             self.kv.cache_computed_blocks(request)
             if not scheduled.sample:
                 continue
@@ -358,7 +358,7 @@ class Scheduler:
             logprobs=None if logprob is None else [logprob],
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
-            num_output_tokens=request.num_output_tokens,
+            num_output_tokens=len(request.output_token_ids),
         )
         status = self._stop_status(request, token)
         if status is not None:
@@ -374,14 +374,15 @@ class Scheduler:
         """EOS (unless ignore_eos) or a stop token id ends the sequence once ``min_tokens``
         are out; max_tokens and max_model_len cut it at length."""
         params = request.sampling_params
-        if request.num_output_tokens > params.min_tokens and (
+        num_output = len(request.output_token_ids)
+        if num_output > params.min_tokens and (
             token in params.stop_token_ids
             or (not params.ignore_eos and token in request.eos_token_ids)
         ):
             return RequestStatus.FINISHED_STOPPED
         if (
-            request.num_output_tokens >= params.max_tokens
-            or request.num_tokens >= self.config.max_model_len
+            num_output >= params.max_tokens
+            or len(request.all_token_ids) >= self.config.max_model_len
         ):
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -112,18 +112,26 @@ class KVCacheManager:
         """
         rid = request.request_id
         pool = self.device
+        block_size = self.block_size
         table = self.tables.get(rid)
         if table is None:
             table = self.tables[rid] = []
+        elif not cached_blocks:
+            # Fast path of every decode step: the token lands in the request's own last
+            # block, which has room and is not shared.
+            start = request.num_computed_tokens
+            first = start // block_size
+            last = (start + num_new_tokens - 1) // block_size
+            if first == last < len(table) and pool.blocks[table[first]].ref_count == 1:
+                return []
         assert not cached_blocks or not table, "prefix hits only for a request without blocks"
-        start = request.num_computed_tokens + len(cached_blocks) * self.block_size
-        needed = blocks_for_tokens(start + num_new_tokens, self.block_size)
+        start = request.num_computed_tokens + len(cached_blocks) * block_size
+        needed = blocks_for_tokens(start + num_new_tokens, block_size)
         num_fresh = max(0, needed - len(table) - len(cached_blocks))
-        first_written = start // self.block_size
         blocks = pool.blocks
         to_copy = [
             index
-            for index in range(first_written, min(len(table), needed))
+            for index in range(start // block_size, min(len(table), needed))
             if blocks[table[index]].ref_count > 1
         ]
         revived = sum(1 for block_id in cached_blocks if blocks[block_id].ref_count == 0)

@@ -1,0 +1,108 @@
+"""Scheduler step cost: schedule() + update() with N running decode requests.
+
+Pure Python, no model: every request decodes one token per step, and the runner's output
+is built outside the timed region, so the figure is the scheduler's own overhead per step
+(block growth, prefix-cache registration of filled blocks, stop checks, deltas).
+
+    .venv/bin/python bench/bench_scheduler.py [--requests 256] [--steps 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.kv.accounting import KVShape
+from engine.outputs import RunnerOutput
+from engine.request import Request, SamplingParams
+from engine.scheduler import Scheduler
+
+# SmolLM2-135M's attention shape; only used for the byte figures in stats.
+SHAPE = KVShape(num_layers=30, num_kv_heads=3, head_dim=64, kv_dtype="bfloat16")
+
+
+def build_scheduler(args: argparse.Namespace) -> Scheduler:
+    max_len = args.prompt_len + args.steps + 16
+    blocks_per_seq = -(-max_len // args.block_size)
+    cache = CacheConfig(
+        num_device_blocks=args.requests * blocks_per_seq + 16,
+        block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    config = SchedulerConfig(
+        max_model_len=max_len + 1,
+        max_num_seqs=args.requests,
+        max_num_batched_tokens=args.requests * args.prompt_len,
+    )
+    scheduler = Scheduler(config, cache, SHAPE)
+    params = SamplingParams(max_tokens=args.steps + 8, ignore_eos=True)
+    for index in range(args.requests):
+        prompt = [(index * 7919 + pos) % 32000 for pos in range(args.prompt_len)]
+        scheduler.add_request([Request(f"r{index}", prompt, params, eos_token_ids=(2,))])
+    return scheduler
+
+
+def decode_result(out: object) -> RunnerOutput:
+    scheduled = out.scheduled  # type: ignore[attr-defined]
+    return RunnerOutput(sampled_token_ids={r.request_id: 17 for r in scheduled if r.sample})
+
+
+def measure(args: argparse.Namespace, clock: Callable[[], float]) -> list[float]:
+    scheduler = build_scheduler(args)
+    out = scheduler.schedule()  # the whole prefill in one step
+    scheduler.update(out, decode_result(out))
+    assert len(scheduler.running) == args.requests
+    samples = []
+    for _ in range(args.steps):
+        start = clock()
+        out = scheduler.schedule()
+        schedule_done = clock()
+        result = decode_result(out)
+        resumed = clock()
+        scheduler.update(out, result)
+        end = clock()
+        samples.append((schedule_done - start) + (end - resumed))
+        assert len(out.scheduled) == args.requests
+    scheduler.check_integrity()
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time with the process CPU clock (robust when other jobs share the cores)",
+    )
+    args = parser.parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    medians, p99s, means = [], [], []
+    for _ in range(args.repeats):
+        samples = sorted(measure(args, clock))
+        medians.append(statistics.median(samples))
+        p99s.append(samples[int(0.99 * (len(samples) - 1))])
+        means.append(statistics.fmean(samples))
+    caching = "off" if args.no_prefix_caching else "on"
+    print(
+        f"requests={args.requests} block_size={args.block_size} prefix_caching={caching} "
+        f"steps={args.steps} repeats={args.repeats} "
+        f"clock={'process_time' if args.cpu_time else 'perf_counter'}"
+    )
+    print(
+        f"schedule+update per step: median {min(medians) * 1e6:.0f} us, "
+        f"mean {min(means) * 1e6:.0f} us, p99 {min(p99s) * 1e6:.0f} us "
+        f"({min(medians) * 1e6 / args.requests:.2f} us per request; best of {args.repeats})"
+    )
+
+
+if __name__ == "__main__":
+    main()
