@@ -249,7 +249,6 @@ def test_prometheus_sees_the_cache_fill_and_drain(
     kvserve_url: str, prometheus_url: str, tiny_model_dir: Path
 ) -> None:
     per_token = tiny_bytes_per_token(tiny_model_dir)
-    per_block = per_token * 16
     wait_for(
         lambda: values(query(prometheus_url, 'up{job="kvserve"}')) == [1.0], 30, "first scrape"
     )
@@ -258,6 +257,34 @@ def test_prometheus_sees_the_cache_fill_and_drain(
         30,
         "an idle server",
     )
+    start = time.time()
+    loaded_at = load_until_prometheus_sees_it(kvserve_url, prometheus_url, per_token)
+
+    # Back to idle: no used block, nothing running (freed blocks may stay prefix-cached).
+    idle = "kvserve_kv_cache_usage_ratio + kvserve_num_requests_running"
+    wait_for(lambda: values(query(prometheus_url, idle)) == [0.0], 60, "idle after the load")
+    window = f"{math.ceil(time.time() - start) + 5}s"
+    peak = values(query(prometheus_url, f"max_over_time(kvserve_kv_cache_usage_ratio[{window}])"))
+    assert peak and peak[0] > 0
+    formula_gap = (
+        f"abs(kvserve_kv_cache_payload_bytes - kvserve_kv_cache_live_tokens * {per_token})"
+    )
+    assert values(query(prometheus_url, f"max_over_time(({formula_gap})[{window}:1s])")) == [0.0]
+    live_peak = f"max_over_time(kvserve_kv_cache_live_tokens[{window}])"
+    live_peak_value = values(query(prometheus_url, live_peak))
+    assert live_peak_value and live_peak_value[0] > 0
+
+    check_every_expression(prometheus_url, loaded_at)
+    rules = httpx.get(f"{prometheus_url}/api/v1/rules", timeout=10).json()["data"]["groups"]
+    for group in rules:
+        for rule in group["rules"]:
+            assert rule["health"] == "ok", rule
+
+
+def load_until_prometheus_sees_it(kvserve_url: str, prometheus_url: str, per_token: int) -> float:
+    """Run the chat load until Prometheus recorded KV usage and enough requests finished,
+    checking the payload formula on every direct scrape meanwhile; return a loaded instant."""
+    per_block = per_token * 16
     start = time.time()
     loaded_scrapes = 0
     with ChatLoad(kvserve_url, streams=6) as load:
@@ -278,25 +305,7 @@ def test_prometheus_sees_the_cache_fill_and_drain(
     assert not load.errors, load.errors[:3]
     assert loaded_scrapes > 0, "no scrape saw live tokens"
     assert load.completed >= 12, f"only {load.completed} requests completed"
-
-    # Back to idle: no used block, nothing running (freed blocks may stay prefix-cached).
-    idle = "kvserve_kv_cache_usage_ratio + kvserve_num_requests_running"
-    wait_for(lambda: values(query(prometheus_url, idle)) == [0.0], 60, "idle after the load")
-    window = f"{math.ceil(time.time() - start) + 5}s"
-    peak = values(query(prometheus_url, f"max_over_time(kvserve_kv_cache_usage_ratio[{window}])"))
-    assert peak and peak[0] > 0
-    mismatch = f"max_over_time(abs(kvserve_kv_cache_payload_bytes - kvserve_kv_cache_live_tokens * {per_token})[{window}:1s])"  # noqa: E501
-    assert values(query(prometheus_url, mismatch)) == [0.0]
-    live_peak = values(
-        query(prometheus_url, f"max_over_time(kvserve_kv_cache_live_tokens[{window}])")
-    )
-    assert live_peak and live_peak[0] > 0
-
-    check_every_expression(prometheus_url, loaded_at)
-    rules = httpx.get(f"{prometheus_url}/api/v1/rules", timeout=10).json()["data"]["groups"]
-    for group in rules:
-        for rule in group["rules"]:
-            assert rule["health"] == "ok", rule
+    return loaded_at
 
 
 def check_every_expression(prometheus_url: str, at: float) -> None:
