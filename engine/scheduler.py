@@ -423,10 +423,10 @@ class Scheduler:
             assert request.request_id in self.kv.host_tables, request
         for request in self.waiting:
             assert request.status is RequestStatus.WAITING, request
-            assert (
-                request.request_id not in self.kv.tables or not self.kv.tables[request.request_id]
-            ), request
-        assert len(self.kv.tables) <= len(self._requests)
+            assert request.request_id not in self.kv.tables, request
+        unforked = sum(len(children) for children in self._unforked.values())
+        queued = len(self.running) + len(self.swapped) + len(self.waiting) + unforked
+        assert queued == len(self._requests), "a live request is in no queue, or in two"
 
     def stats(self) -> EngineStats:
         queues = QueueSizes(

@@ -115,7 +115,7 @@ class KVCacheManager:
         block_size = self.block_size
         table = self.tables.get(rid)
         if table is None:
-            table = self.tables[rid] = []
+            table = []  # stored only once the allocation succeeds
         elif not cached_blocks:
             # Fast path of every decode step: the token lands in the request's own last
             # block, which has room and is not shared.
@@ -137,6 +137,7 @@ class KVCacheManager:
         revived = sum(1 for block_id in cached_blocks if blocks[block_id].ref_count == 0)
         if num_fresh + len(to_copy) + revived > pool.num_free - reserve:
             return None
+        self.tables[rid] = table
         if cached_blocks:
             pool.touch(cached_blocks)
             table.extend(cached_blocks)
