@@ -73,6 +73,7 @@ class PlanReport:
     activation_reserve_bytes: int
     memory_budget_bytes: int
     kv_budget_bytes: int
+    num_blocks_from: str  # "budget" or "--num-kv-blocks"
     block_size: int
     bytes_per_token: int
     bytes_per_block: int
@@ -108,11 +109,14 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_BYTES])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--memory", type=float, default=None, help="total memory budget, GiB")
+    budget.add_argument(
+        "--memory", type=float, default=None, help="device memory, GiB (on CUDA, x utilization)"
+    )
     budget.add_argument(
         "--kv-cache-memory", type=float, default=2.0, help="KV budget, GiB (as serve on CPU)"
     )
     budget.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument(
         "--activation-reserve", type=float, default=None, help="GiB (default: an estimate)"
@@ -134,7 +138,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def build_report(args: argparse.Namespace) -> PlanReport:
     """Read the model's config and compute every figure through engine/kv/accounting.py."""
-    _check_positive(args)
+    _check_flags(args)
     facts = read_model_facts(args.model)
     device = _resolve_device(args.device)
     dtype = _resolve_dtype(args.dtype, device)
@@ -144,8 +148,9 @@ def build_report(args: argparse.Namespace) -> PlanReport:
     avg_len = min(args.avg_len or max_len, max_len)
     weight_bytes = facts.num_parameters * DTYPE_BYTES[dtype]
     activation = _activation_reserve(args, facts, dtype)
-    if args.memory is not None:
-        budget = int(args.memory * GIB)
+    if args.memory is not None:  # as serve: on CUDA only a fraction of the device is used
+        share = args.gpu_memory_utilization if device == "cuda" else 1.0
+        budget = int(args.memory * share * GIB)
     else:  # --kv-cache-memory (or --num-kv-blocks): the KV budget comes on top
         budget = weight_bytes + activation + int(args.kv_cache_memory * GIB)
     plan = accounting.plan_capacity(
@@ -190,6 +195,7 @@ def _assemble(
         activation_reserve_bytes=plan.activation_reserve_bytes,
         memory_budget_bytes=plan.memory_budget_bytes,
         kv_budget_bytes=plan.kv_budget_bytes,
+        num_blocks_from="--num-kv-blocks" if args.num_kv_blocks is not None else "budget",
         block_size=plan.block_size,
         bytes_per_token=plan.bytes_per_token,
         bytes_per_block=plan.bytes_per_block,
@@ -317,7 +323,7 @@ def _resolve_dtype(dtype: str, device: str) -> str:
     return "bfloat16" if cpu_has_native_bf16() else "float32"
 
 
-def _check_positive(args: argparse.Namespace) -> None:
+def _check_flags(args: argparse.Namespace) -> None:
     for flag in ("concurrency", "block_size", "max_num_batched_tokens"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
@@ -325,6 +331,12 @@ def _check_positive(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+    for flag in ("memory", "kv_cache_memory", "activation_reserve"):
+        value = getattr(args, flag)
+        if value is not None and value < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 GiB")
 
 
 def format_report(report: PlanReport) -> str:
@@ -349,7 +361,8 @@ def format_report(report: PlanReport) -> str:
         f"activations {size(report.activation_reserve_bytes)} = KV "
         f"{size(report.kv_budget_bytes)}",
         f"  KV pool             {report.num_blocks:,} blocks x {report.block_size} = "
-        f"{report.token_capacity:,} tokens ({size(report.kv_pool_bytes)})",
+        f"{report.token_capacity:,} tokens ({size(report.kv_pool_bytes)}, "
+        f"from {report.num_blocks_from})",
         f"  fits                {verdict}: C={report.concurrency} needs "
         f"{report.demand_blocks:,} of {report.num_blocks:,} blocks",
         f"  max concurrency     {report.max_concurrency_at_avg_len:,} at avg length "

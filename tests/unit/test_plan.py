@@ -115,6 +115,14 @@ def test_memory_budget_sizes_the_pool(tmp_path: Path) -> None:
     assert report.kv_pool_bytes == report.num_blocks * report.bytes_per_block
 
 
+def test_memory_on_cuda_is_scaled_by_the_utilization(tmp_path: Path) -> None:
+    model = str(write_config(tmp_path))
+    flags = ["--model", model, "--device", "cuda", "--memory", "1", "--activation-reserve", "0"]
+    report = build_report(parse(*flags, "--gpu-memory-utilization", "0.5"))
+    assert report.memory_budget_bytes == GIB // 2
+    assert report.kv_budget_bytes == GIB // 2 - report.weight_bytes
+
+
 def test_kv_cache_memory_mirrors_serve_on_cpu(tmp_path: Path) -> None:
     model = write_config(tmp_path)
     report = build_report(parse("--model", str(model), "--kv-cache-memory", "0.25"))
@@ -152,6 +160,8 @@ def test_bad_input_exits_2_with_a_message(tmp_path: Path, capsys) -> None:  # ty
     assert "does not exist" in capsys.readouterr().err
     assert run_plan(parse("--model", str(write_config(tmp_path)), "-c", "0")) == 2
     assert "--concurrency must be >= 1" in capsys.readouterr().err
+    assert run_plan(parse("--model", str(tmp_path), "--gpu-memory-utilization", "1.5")) == 2
+    assert "--gpu-memory-utilization" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse("--memory", "1", "--num-kv-blocks", "5")  # mutually exclusive budgets
 
