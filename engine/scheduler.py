@@ -282,6 +282,8 @@ class Scheduler:
             held = self.kv.num_blocks(request.request_id)
             total += max(0, self._final_blocks(request) - held)
             total += len(self._unforked.get(request.group_id, ())) * self._child_blocks(request)
+            if request.index > 0 and request.num_computed_tokens < request.num_prompt_tokens:
+                total += 1  # a fresh fork still has to copy its shared last block
         for request in self.swapped:
             total += self._final_blocks(request)
         return total

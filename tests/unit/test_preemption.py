@@ -166,3 +166,18 @@ def test_n_greater_than_one_yields_distinct_correct_tokens_per_choice() -> None:
     assert sorted(outputs) == ["g-0", "g-1", "g-2"]
     assert len({tuple(tokens) for tokens in outputs.values()}) == 3
     assert sched.kv.device.num_used == 0
+
+
+def test_reserve_never_preempts_forked_groups_even_with_a_tiny_token_budget() -> None:
+    sched = make_scheduler(
+        blocks=12,
+        admission_policy="reserve",
+        preemption_mode="recompute",
+        max_num_batched_tokens=2,
+    )
+    core = EngineCore(sched, FakeKVRunner(12, 4))
+    for gid in "abc":
+        core.add_request(make_group(gid, list(range(6)), SamplingParams(max_tokens=5, n=2, seed=1)))
+    outputs = drive(core)
+    assert len(outputs) == 6
+    assert sum(sched.stats().preemptions_total.values()) == 0

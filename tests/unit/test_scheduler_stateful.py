@@ -139,6 +139,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             stats = self.core.stats()
             pool = stats.device_blocks
             assert pool.used + pool.free + pool.cached == pool.total
+            if self.sched_config.admission_policy == "reserve":
+                assert sum(stats.preemptions_total.values()) == 0, "reserve never preempts"
 
     def teardown(self) -> None:
         if not hasattr(self, "core"):
