@@ -332,8 +332,10 @@ class Scheduler:
             request = self._requests.get(scheduled.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted since the step was built
-            request.num_computed_tokens += len(scheduled.token_ids)
-            self.kv.cache_computed_blocks(request)
+            num_new = len(scheduled.token_ids)
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens % self.block_size < num_new:  # a block filled up
+                self.kv.cache_computed_blocks(request)
             if not scheduled.sample:
                 continue
             if request.group_id in self._unforked:
