@@ -2,6 +2,11 @@
 
     step():  out = scheduler.schedule() -> result = runner.execute(out) -> scheduler.update()
 
+The runner runs through a ``StepExecutor`` (engine/step_executor.py): a failure inside a
+step's forward fails only that batch's requests (their deltas carry ``error``), an
+out-of-memory error is retried with smaller batches first, and only failures that cannot
+be contained raise (``EngineFault``), which the AsyncEngine treats as a dead engine.
+
 The core is single-threaded; the AsyncEngine serialises ``add_request``/``abort``/``step``
 on its loop thread. ``stats()`` may be called from any thread: it returns the immutable
 snapshot published after the last mutation (a reference swap, atomic under the GIL).
@@ -9,11 +14,17 @@ snapshot published after the last mutation (a reference swap, atomic under the G
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 from engine.outputs import EngineStats, RequestDelta, RunnerOutput, SchedulerOutput
-from engine.request import Request
+from engine.request import FinishReason, Request
 from engine.scheduler import Scheduler
+from engine.step_executor import EngineFault, StepExecutor
+
+# RequestDelta.error_code values.
+QUEUE_TIMEOUT = "queue_timeout"
+ENGINE_FAULT = "engine_fault"
 
 
 class Runner(Protocol):
@@ -29,16 +40,33 @@ class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: Runner) -> None:
         self.scheduler = scheduler
         self.runner = runner
+        self.executor = StepExecutor(runner)
+        # Every live client request's sequences, so a failure can end all of its choices.
+        self._groups: dict[str, list[Request]] = {}
         self._stats = scheduler.stats()
+
+    @property
+    def runner(self) -> Runner:
+        return self._runner
+
+    @runner.setter
+    def runner(self, runner: Runner) -> None:
+        # Tests and tools wrap the runner after construction; the executor follows.
+        self._runner = runner
+        if hasattr(self, "executor"):
+            self.executor.runner = runner
 
     def add_request(self, requests: list[Request]) -> None:
         """Queue one client request (its ``n`` sequences); may raise ``RequestRejected``."""
         self.scheduler.add_request(requests)
+        if requests:
+            self._groups[requests[0].group_id] = list(requests)
         self._publish()
 
     def abort(self, group_id: str) -> None:
         """Abort a client request; its blocks are free before the next step runs."""
         self.scheduler.abort(group_id)
+        self._groups.pop(group_id, None)
         self._publish()
 
     def step(self) -> list[RequestDelta]:
@@ -46,13 +74,35 @@ class EngineCore:
 
         A step with nothing to compute still reaches the runner when requests left since
         the last one, so it can drop their state; a fully idle step costs nothing.
+        Raises ``EngineFault`` when a failure cannot be contained to the step's batch.
         """
         out = self.scheduler.schedule()
         if out.is_empty and not out.finished_request_ids:
             self._publish()  # a step may preempt (recompute) without scheduling anything
             return []
-        result = self.runner.execute(out)
-        deltas = self.scheduler.update(out, result)
+        result = self.executor.execute(out)
+        failed = self._fail(result.failed, ENGINE_FAULT) if result.failed else []
+        deltas = failed + self.scheduler.update(out, result.output)
+        self._forget_finished(deltas)
+        if failed:
+            self._check_after_failure()
+        self._publish()
+        return deltas
+
+    def expire_queued(self, timeout_s: float) -> list[RequestDelta]:
+        """Fail the requests that have waited more than ``timeout_s`` without ever being
+        scheduled (preempted requests already started and are not counted)."""
+        if timeout_s <= 0:
+            return []
+        now = time.monotonic()
+        expired = {
+            r.request_id: f"waited more than {timeout_s:g} s in the queue; retry later"
+            for r in self.scheduler.waiting
+            if r.first_scheduled_time is None and now - r.arrival_time > timeout_s
+        }
+        if not expired:
+            return []
+        deltas = self._fail(expired, QUEUE_TIMEOUT)
         self._publish()
         return deltas
 
@@ -63,5 +113,47 @@ class EngineCore:
         """The snapshot published after the last step, add or abort."""
         return self._stats
 
+    def _fail(self, reasons: dict[str, str], code: str) -> list[RequestDelta]:
+        """Abort the client requests of the given sequences; one finishing delta, carrying
+        the error, for every sequence of theirs that was still live."""
+        deltas: list[RequestDelta] = []
+        for group_id, members in list(self._groups.items()):
+            reason = next((reasons[r.request_id] for r in members if r.request_id in reasons), None)
+            if reason is None:
+                continue
+            live = [r for r in members if not r.is_finished]
+            self.abort(group_id)
+            deltas.extend(_error_delta(r, reason, code) for r in live)
+        return deltas
+
+    def _forget_finished(self, deltas: list[RequestDelta]) -> None:
+        for group_id in {d.group_id for d in deltas if d.finished}:
+            members = self._groups.get(group_id)
+            if members is not None and all(r.is_finished for r in members):
+                del self._groups[group_id]
+
+    def _check_after_failure(self) -> None:
+        """After failing a batch the block pools must still add up; if not, the failure
+        was not contained and the engine must stop."""
+        try:
+            self.scheduler.check_integrity()
+        except AssertionError as exc:
+            raise EngineFault(f"KV state inconsistent after a failed step: {exc}") from exc
+
     def _publish(self) -> None:
         self._stats = self.scheduler.stats()
+
+
+def _error_delta(request: Request, reason: str, code: str) -> RequestDelta:
+    return RequestDelta(
+        request_id=request.request_id,
+        group_id=request.group_id,
+        index=request.index,
+        new_token_ids=[],
+        finish_reason=FinishReason.ABORT,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        num_output_tokens=request.num_output_tokens,
+        error=reason,
+        error_code=code,
+    )

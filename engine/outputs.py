@@ -102,6 +102,9 @@ class RequestDelta:
     queue_time: float | None = None  # seconds from arrival to first schedule
     # Set when the request failed inside the engine (the server answers 500).
     error: str | None = None
+    # A stable label for ``error``: "engine_fault" (its batch failed: 500) or
+    # "queue_timeout" (it waited too long to be scheduled: retryable, 503).
+    error_code: str | None = None
 
     @property
     def finished(self) -> bool:

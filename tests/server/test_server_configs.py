@@ -102,7 +102,8 @@ class FailingRunner:
 
     def execute(self, scheduler_output: Any) -> Any:
         if self.armed.is_set():
-            raise RuntimeError("injected device failure")
+            # Device-fatal (a contained batch failure would leave the engine alive).
+            raise RuntimeError("CUDA error: injected device failure")
         return self.runner.execute(scheduler_output)
 
 
