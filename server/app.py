@@ -111,6 +111,7 @@ def _make_metrics(
         cache_info=info,
         kv_shape=built.kv_shape,
         weight_bytes=built.weight_bytes,
+        health_fn=lambda: engine.is_alive,
     )
 
 

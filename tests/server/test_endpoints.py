@@ -59,9 +59,31 @@ def test_health_and_version(server: LiveServer):
     assert version and version != "unknown"
 
 
-def test_metrics_endpoint_serves_prometheus_text(server: LiveServer, client: Any):
-    client.completions.create(model=TINY_MODEL_NAME, prompt="metrics", max_tokens=2)
+def metric_value(server: LiveServer, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    raise AssertionError(f"{name} {labels} not in /metrics")
+
+
+def test_metrics_endpoint_counts_what_the_server_did(server: LiveServer, client: Any):
+    finished = "kvserve_requests_finished_total"
+    rejected = "kvserve_requests_rejected_total"
+    length_before = metric_value(server, finished, finish_reason="length")
+    e2e_before = metric_value(server, "kvserve_e2e_request_latency_seconds_count")
+    invalid_before = metric_value(server, rejected, reason="invalid")
+    client.completions.create(
+        model=TINY_MODEL_NAME, prompt="metrics", max_tokens=2, n=2, extra_body={"ignore_eos": True}
+    )
+    httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": -1})
     resp = httpx.get(f"{server.url}/metrics")
     assert resp.status_code == 200
     assert resp.headers["content-type"].startswith("text/plain")
-    assert "kvserve_" in resp.text
+    # One record per choice; the bad request is counted as a rejection.
+    assert metric_value(server, finished, finish_reason="length") == length_before + 2
+    assert metric_value(server, "kvserve_e2e_request_latency_seconds_count") == e2e_before + 2
+    assert metric_value(server, rejected, reason="invalid") == invalid_before + 1
