@@ -43,7 +43,7 @@ METRICS: tuple[MetricSpec, ...] = (
         ("kvserve_kv_cache_blocks",),
         (("pool", "device"), ("state", "cached")),
     ),
-    MetricSpec("kv_blocks_total", ("kvserve_kv_cache_capacity_blocks",), (("pool", "device"),)),
+    MetricSpec("kv_blocks_capacity", ("kvserve_kv_cache_capacity_blocks",), (("pool", "device"),)),
     MetricSpec(
         "host_blocks_used", ("kvserve_kv_cache_blocks",), (("pool", "host"), ("state", "used"))
     ),
@@ -83,7 +83,8 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
 )
 
-# Series the report plots as counters (their increase over the run is the headline).
+# Counters (monotonic; the report shows their increase over the run) are exactly the keys
+# ending in ``_total``; every other key is a gauge (the report shows its peak).
 COUNTER_KEYS: tuple[str, ...] = tuple(m.key for m in METRICS if m.key.endswith("_total"))
 
 

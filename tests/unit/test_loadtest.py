@@ -231,7 +231,7 @@ def test_parses_every_series_from_kvserve_metrics() -> None:
         "kv_usage_ratio": 0.4,
         "kv_blocks_used": 40,
         "kv_blocks_cached": 10,
-        "kv_blocks_total": 100,
+        "kv_blocks_capacity": 100,
         "host_blocks_used": 6,
         "kv_payload_bytes": 6000,
         "kv_allocated_bytes": 6400,
@@ -321,3 +321,16 @@ def test_progress_bar() -> None:
     silent = io.StringIO()
     ProgressBar(total=1, stream=silent, enabled=False).update(1, 0, 1, 1.0)
     assert silent.getvalue() == ""
+
+
+def test_only_counters_end_in_total() -> None:
+    counters = {m.key for m in METRICS if m.key.endswith("_total")}
+    assert counters == {
+        "preemptions_total",
+        "blocks_swapped_out_total",
+        "blocks_swapped_in_total",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "generation_tokens_total",
+    }
+    assert all(name.endswith("_total") for m in METRICS if m.key in counters for name in m.names)
