@@ -36,30 +36,50 @@ class IncrementalDetokenizer:
     text. Text ending in U+FFFD is held back until the character completes.
     """
 
-    def __init__(self, decoder: Decoder, *, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        decoder: Decoder,
+        *,
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
         self._decoder = decoder
         self._skip_special = skip_special_tokens
-        self.token_ids: list[int] = []
+        # The prompt's last tokens seed the window as already-emitted context, so the
+        # first output token decodes as it would after the prompt (SentencePiece
+        # tokenizers drop a word's leading space when it is decoded alone).
+        context = list(prompt_ids[-_CONTEXT_TOKENS:])
+        if context and self._decode(context).endswith(REPLACEMENT_CHAR):
+            context = []  # the prompt ends inside a character: no clean boundary to diff
+        self._num_context = len(context)
+        self._all_ids: list[int] = context
         self._prefix_offset = 0
-        self._read_offset = 0
+        self._read_offset = len(context)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The output tokens pushed so far (without the prompt context)."""
+        return self._all_ids[self._num_context :]
 
     def push(self, new_token_ids: Sequence[int]) -> str:
         """Add tokens; return the text that became final (possibly empty)."""
-        self.token_ids.extend(new_token_ids)
-        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
-        full_text = self._decode(self.token_ids[self._prefix_offset :])
+        ids = self._all_ids
+        ids.extend(new_token_ids)
+        prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(ids[self._prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
             return ""
         new_text = full_text[len(prefix_text) :]
-        self._read_offset = len(self.token_ids)
+        self._read_offset = len(ids)
         self._prefix_offset = max(0, self._read_offset - _CONTEXT_TOKENS)
         return new_text
 
     def flush(self) -> str:
         """Return whatever is still held back, incomplete characters included."""
-        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
-        full_text = self._decode(self.token_ids[self._prefix_offset :])
-        self._read_offset = len(self.token_ids)
+        ids = self._all_ids
+        prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(ids[self._prefix_offset :])
+        self._read_offset = len(ids)
         self._prefix_offset = self._read_offset
         return full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
 

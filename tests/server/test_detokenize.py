@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -39,6 +39,32 @@ def test_multibyte_characters_are_never_split(smollm_tokenizer: Any):
     pieces = stream_text(smollm_tokenizer, ids, 1)
     assert all("\ufffd" not in piece for piece in pieces)
     assert "".join(pieces) == text
+
+
+@pytest.mark.parametrize("split", [1, 4, 9])
+def test_prompt_context_does_not_change_the_text(smollm_tokenizer: Any, split: int):
+    ids = smollm_tokenizer.encode(TEXTS[1], add_special_tokens=False)
+    prompt, output = ids[:split], ids[split:]
+    detok = IncrementalDetokenizer(smollm_tokenizer, prompt_ids=prompt)
+    pieces = [detok.push([t]) for t in output] + [detok.flush()]
+    assert "".join(pieces) == smollm_tokenizer.decode(output)
+    assert detok.token_ids == output
+
+
+class SentencePieceLike:
+    """Decodes like SentencePiece: a word's leading space is dropped at the start."""
+
+    vocab: ClassVar[dict[int, str]] = {1: "▁Once", 2: "▁upon", 3: "▁a", 4: "▁time"}
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.vocab[t] for t in token_ids).replace("▁", " ").lstrip(" ")
+
+
+def test_prompt_context_keeps_the_first_leading_space():
+    without = IncrementalDetokenizer(SentencePieceLike())
+    assert without.push([4]) == "time"
+    with_context = IncrementalDetokenizer(SentencePieceLike(), prompt_ids=[1, 2, 3])
+    assert with_context.push([4]) == " time"
 
 
 def test_special_tokens_are_skipped(smollm_tokenizer: Any):
