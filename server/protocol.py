@@ -2,8 +2,9 @@
 
 Rules: wrong types are errors (no "5" -> 5 coercion), unknown fields are errors, and
 fields we know but do not implement get a 400 that names them. The only fields accepted
-without effect on the output are ``user`` (an end-user label for abuse tracking) and
-``stream_options`` when there is no usage to report; both are documented here.
+without effect on the output are ``user`` (an end-user label for abuse tracking),
+``stream_options`` when there is no usage to report, ``response_format`` of type
+``text`` and ``best_of`` equal to ``n``; explicit ``null`` values mean "the default".
 
 Beyond OpenAI, the vLLM sampling extensions are honoured: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``priority``
@@ -57,7 +58,18 @@ class StreamOptions(StrictModel):
 
 
 class SamplingFields(StrictModel):
-    """Fields shared by chat and text completions."""
+    """Fields shared by chat and text completions.
+
+    As in OpenAI's API, an explicit ``null`` means "use the default": such keys are
+    dropped before validation (a required field sent as null is then reported missing).
+    """
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)

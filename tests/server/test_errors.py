@@ -173,3 +173,11 @@ def test_errors_raise_typed_exceptions_in_the_openai_client(client: Any):
         client.chat.completions.create(model=TINY_MODEL_NAME, messages=[], max_tokens=1)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=USER, max_tokens=1)
+
+
+def test_null_fields_mean_default(server: LiveServer):
+    body = chat(temperature=None, stop=None, seed=None, tools=None, max_tokens=None)
+    body["max_tokens"] = 2
+    resp = post(server, "/v1/chat/completions", body)
+    assert resp.status_code == 200, resp.text
+    assert_error(post(server, "/v1/chat/completions", chat(messages=None)), 400, "messages")
