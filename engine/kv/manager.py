@@ -116,14 +116,8 @@ class KVCacheManager:
         table = self.tables.get(rid)
         if table is None:
             table = []  # stored only once the allocation succeeds
-        elif not cached_blocks:
-            # Fast path of every decode step: the token lands in the request's own last
-            # block, which has room and is not shared.
-            start = request.num_computed_tokens
-            first = start // block_size
-            last = (start + num_new_tokens - 1) // block_size
-            if first == last < len(table) and pool.blocks[table[first]].ref_count == 1:
-                return []
+        elif not cached_blocks and self._fits_in_own_block(request, table, num_new_tokens):
+            return []
         assert not cached_blocks or not table, "prefix hits only for a request without blocks"
         start = request.num_computed_tokens + len(cached_blocks) * block_size
         needed = blocks_for_tokens(start + num_new_tokens, block_size)
@@ -147,6 +141,14 @@ class KVCacheManager:
             table.extend(fresh)
             new_ids.extend(fresh)
         return new_ids
+
+    def _fits_in_own_block(self, request: Request, table: list[int], num_new: int) -> bool:
+        """The fast path of most decode steps: the new tokens land in one block the request
+        already holds alone, so nothing is allocated or copied."""
+        start = request.num_computed_tokens
+        first = start // self.block_size
+        last = (start + num_new - 1) // self.block_size
+        return first == last < len(table) and self.device.blocks[table[first]].ref_count == 1
 
     def _copy_on_write(self, rid: str, table: list[int], indices: list[int]) -> list[int]:
         copies = self._copies.setdefault(rid, [])
