@@ -104,8 +104,17 @@ class AsyncEngine:
     """Owns the engine thread. Create it, ``await start()`` inside the event loop, then
     ``add()`` requests and iterate the returned streams; ``shutdown()`` at the end."""
 
-    def __init__(self, core: CoreLike, *, thread_name: str = "kvserve-engine") -> None:
+    def __init__(
+        self,
+        core: CoreLike,
+        *,
+        thread_name: str = "kvserve-engine",
+        queue_timeout_s: float = 0.0,
+    ) -> None:
         self.core = core
+        # > 0: requests never scheduled within this many seconds are failed by the core
+        # (EngineCore.expire_queued) with error_code "queue_timeout".
+        self.queue_timeout_s = queue_timeout_s
         self._thread_name = thread_name
         self._inbox = _Inbox()
         self._streams: dict[str, GroupStream] = {}
@@ -210,6 +219,7 @@ class AsyncEngine:
         try:
             while self._wait_for_work():
                 self._drain_inbox()
+                self._expire_queued()
                 if self.core.has_unfinished():
                     deltas = self.core.step()
                     if deltas:
@@ -222,6 +232,13 @@ class AsyncEngine:
             for command in adds:
                 self._post(_fail_future, command.admitted, self._dead_error)
             self._post(self._fail_all, self._dead_error)
+
+    def _expire_queued(self) -> None:
+        if self.queue_timeout_s > 0:
+            expire = getattr(self.core, "expire_queued", None)
+            expired = expire(self.queue_timeout_s) if expire is not None else []
+            if expired:
+                self._post(self._dispatch, expired)
 
     def _wait_for_work(self) -> bool:
         """Block until there is something to do; False once shutdown is requested."""

@@ -71,7 +71,7 @@ def serving_context(
     with_metrics: bool = True,
 ) -> ServingContext:
     """Wrap a ``BuiltEngine`` (engine.builder) into the routes' context."""
-    engine = AsyncEngine(built.core)
+    engine = AsyncEngine(built.core, queue_timeout_s=settings.queue_timeout_s)
     names = settings.served_model_names or (built.model_name,)
     metrics = _make_metrics(built, engine, names[0], cache_info) if with_metrics else None
     return ServingContext(

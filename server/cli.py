@@ -70,6 +70,15 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
     )
     http.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
     http.add_argument("--max-n", type=int, default=16, help="largest accepted n")
+    http.add_argument(
+        "--max-messages", type=int, default=512, help="most chat messages in one request"
+    )
+    http.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=0.0,
+        help="seconds a request may wait to be scheduled before a 503 (0 = no limit)",
+    )
     http.add_argument("--shutdown-timeout", type=float, default=30.0, help="drain seconds")
     http.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
@@ -111,6 +120,8 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         max_request_body_bytes=args.max_request_body_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
         max_n=args.max_n,
+        max_messages=args.max_messages,
+        queue_timeout_s=args.queue_timeout,
         log_level=args.log_level,
     )
 

@@ -26,6 +26,9 @@ class ServerSettings:
     shutdown_timeout_s: float = 30.0
     retry_after_s: int = 1
     max_n: int = 16
+    # A request not scheduled within this many seconds is answered 503 (0 = wait forever).
+    queue_timeout_s: float = 0.0
+    max_messages: int = 512
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -39,3 +42,7 @@ class ServerSettings:
             raise ValueError("api_key must not be empty (use None to disable auth)")
         if self.max_n < 1:
             raise ValueError("max_n must be >= 1")
+        if self.queue_timeout_s < 0:
+            raise ValueError("queue_timeout_s must be >= 0")
+        if self.max_messages < 1:
+            raise ValueError("max_messages must be >= 1")

@@ -20,7 +20,7 @@ from server.routes.streaming import (
     new_id,
     now_unix,
     sse,
-    stream_response,
+    stream_when_started,
 )
 
 router = APIRouter()
@@ -47,7 +47,7 @@ async def create_chat_completion(
     await run.submit()
     formatter = _ChatFormatter(ctx, run, model, body)
     if body.stream:
-        return stream_response(run, formatter.events)
+        return await stream_when_started(request, run, formatter.events)
     return await complete_or_abort(request, run, formatter.collect)
 
 

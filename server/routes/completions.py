@@ -20,7 +20,7 @@ from server.routes.streaming import (
     new_id,
     now_unix,
     sse,
-    stream_response,
+    stream_when_started,
 )
 
 router = APIRouter()
@@ -44,7 +44,7 @@ async def create_completion(
     await run.submit()
     formatter = _CompletionFormatter(ctx, run, model, body, prompts)
     if body.stream:
-        return stream_response(run, formatter.events)
+        return await stream_when_started(request, run, formatter.events)
     return await complete_or_abort(request, run, formatter.collect)
 
 

@@ -130,6 +130,8 @@ class GenerationRun:
             for p, ids in enumerate(prompts)
         ]
         self._recorded = False
+        # The first event, when wait_for_start() took it before iteration began.
+        self._first: tuple[int, list[RequestDelta]] | BaseException | None = None
 
     # ------------------------------------------------------------------ submission
     async def submit(self) -> None:
@@ -181,9 +183,40 @@ class GenerationRun:
     def __aiter__(self) -> AsyncIterator[ChoiceUpdate]:
         return self._updates()
 
+    async def wait_for_start(self) -> None:
+        """Wait for the engine's first output, and raise its error if that is one: a
+        stream's HTTP status then tells a queue timeout (503) or a failure (500) from a
+        start. The event is kept for the iteration."""
+        if self._first is None and not self.all_finished:
+            self._first = await self._events.get()
+        item = self._first
+        if isinstance(item, EngineDeadError):
+            raise engine_dead(item, in_flight=True)
+        if isinstance(item, tuple):
+            failed = next((d for d in item[1] if d.error), None)
+            if failed is not None:
+                raise self._delta_error(failed)
+
+    async def _next_event(self) -> tuple[int, list[RequestDelta]] | BaseException:
+        if self._first is not None:
+            item, self._first = self._first, None
+            return item
+        return await self._events.get()
+
+    def _delta_error(self, delta: RequestDelta) -> APIError:
+        if delta.error_code == "queue_timeout":
+            return APIError(
+                503,
+                f"the request was not scheduled in time: {delta.error}",
+                code="queue_timeout",
+                reason="queue_timeout",
+                headers={"Retry-After": str(self.ctx.settings.retry_after_s)},
+            )
+        return APIError(500, f"the engine failed this request: {delta.error}", code="engine_fault")
+
     async def _updates(self) -> AsyncIterator[ChoiceUpdate]:
         while not self.all_finished:
-            item = await self._events.get()
+            item = await self._next_event()
             if isinstance(item, EngineDeadError):
                 self._abandon_all("error")
                 raise engine_dead(item, in_flight=True)
@@ -199,7 +232,7 @@ class GenerationRun:
                         yield update
                     if delta.error:
                         self._abandon_all("error")
-                        raise APIError(500, f"the engine failed this request: {delta.error}")
+                        raise self._delta_error(delta)
             if all(c.finished for c in group.choices):
                 # Every choice ended (some perhaps by a stop string the engine does not
                 # know about): stop the group in the engine now.

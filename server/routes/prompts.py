@@ -16,6 +16,14 @@ def render_chat(
     ctx: ServingContext, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
 ) -> str:
     """The model's chat template applied to the messages."""
+    limit = ctx.settings.max_messages
+    if len(messages) > limit:
+        raise invalid(
+            f"'messages' has {len(messages)} messages; this server accepts at most {limit} "
+            "(--max-messages)",
+            "messages",
+            code="too_many_messages",
+        )
     if not getattr(ctx.tokenizer, "chat_template", None):
         raise invalid("this model has no chat template; use /v1/completions", "messages")
     conversation = [{"role": m.role, "content": m.text} for m in messages]

@@ -56,6 +56,23 @@ def stream_response(
     return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
+async def stream_when_started(
+    request: HTTPRequest, run: GenerationRun, events: Callable[[], AsyncIterator[str]]
+) -> JSONResponse | StreamingResponse:
+    """Send the SSE headers only once the engine produced the run's first output, so an
+    error before it (a queue timeout, a failed batch, a dead engine) keeps its HTTP
+    status instead of becoming an event inside a 200 stream."""
+    try:
+        await until_disconnect(request, run.wait_for_start())
+    except ClientDisconnected:
+        run.close()
+        return JSONResponse({}, status_code=499)
+    except BaseException:
+        run.close()
+        raise
+    return stream_response(run, events)
+
+
 async def complete_or_abort(
     request: HTTPRequest, run: GenerationRun, collect: Callable[[], Any]
 ) -> JSONResponse:
