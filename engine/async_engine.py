@@ -131,14 +131,26 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
         self._thread.start()
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Abort everything still running and stop the thread (blocking, bounded)."""
+    def request_shutdown(self) -> None:
+        """Abort every open stream and tell the thread to stop; returns at once.
+
+        Call it on the event loop's thread: it reads the loop-owned stream table.
+        """
         with self._inbox.cond:
-            self._inbox.aborts.extend(self._streams)
+            self._inbox.aborts.extend(tuple(self._streams))
             self._inbox.stopping = True
             self._inbox.cond.notify()
+
+    def join(self, timeout_s: float = 10.0) -> None:
+        """Wait (bounded) for the engine thread to finish its last step and exit."""
         if self._thread is not None:
             self._thread.join(timeout_s)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """``request_shutdown()`` then ``join()``: for callers on the loop's thread or
+        after the loop stopped."""
+        self.request_shutdown()
+        self.join(timeout_s)
 
     @property
     def is_alive(self) -> bool:

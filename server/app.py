@@ -39,7 +39,10 @@ def build_app(ctx: ServingContext) -> FastAPI:
         try:
             yield
         finally:
-            await asyncio.to_thread(ctx.engine.shutdown)
+            # Abort what is left on the loop's thread, then wait for the engine thread
+            # without blocking the loop.
+            ctx.engine.request_shutdown()
+            await asyncio.to_thread(ctx.engine.join)
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.ctx = ctx

@@ -44,9 +44,16 @@ class ChoiceUpdate:
 class ChoiceTracker:
     """Text, token count and latency bookkeeping for one choice."""
 
-    def __init__(self, ctx: ServingContext, index: int, stop: Sequence[str], start: float) -> None:
+    def __init__(
+        self,
+        ctx: ServingContext,
+        index: int,
+        stop: Sequence[str],
+        start: float,
+        prompt_ids: Sequence[int] = (),
+    ) -> None:
         self.index = index
-        self._detok = IncrementalDetokenizer(ctx.tokenizer)
+        self._detok = IncrementalDetokenizer(ctx.tokenizer, prompt_ids=prompt_ids)
         self._stops = StopStringMatcher(stop)
         self.num_tokens = 0
         self.num_cached_tokens = 0
@@ -126,7 +133,10 @@ class GenerationRun:
         )
         n = params.n
         self.groups = [
-            _Group(list(ids), [ChoiceTracker(ctx, p * n + i, stop, self.start) for i in range(n)])
+            _Group(
+                list(ids),
+                [ChoiceTracker(ctx, p * n + i, stop, self.start, ids) for i in range(n)],
+            )
             for p, ids in enumerate(prompts)
         ]
         self._recorded = False

@@ -93,7 +93,8 @@ async def run_with(core: ScriptedCore, body):  # type: ignore[no-untyped-def]
     try:
         return await asyncio.wait_for(body(engine), timeout=10)
     finally:
-        await asyncio.to_thread(engine.shutdown)
+        engine.request_shutdown()
+        await asyncio.to_thread(engine.join)
 
 
 def test_generate_streams_every_choice_until_finished():
@@ -172,7 +173,8 @@ def test_shutdown_aborts_open_streams():
 
     async def body(engine: AsyncEngine) -> None:
         await engine.add(group("g", max_tokens=10**6))
-        await asyncio.to_thread(engine.shutdown)
+        engine.request_shutdown()
+        await asyncio.to_thread(engine.join)
         assert not engine.is_alive
         assert ("abort", "g") in core.calls
 
