@@ -30,6 +30,19 @@ def load_results(out: Path) -> dict[tuple[str, int], dict[str, Any]]:
     return results
 
 
+def load_averages(out: Path) -> dict[tuple[str, int], str]:
+    """The 1-minute load average before/after each run, from runs.jsonl (latest wins)."""
+    loads: dict[tuple[str, int], str] = {}
+    runs = out / "runs.jsonl"
+    if runs.exists():
+        for line in runs.read_text().splitlines():
+            run = json.loads(line)
+            loads[(run["server"], run["concurrency"])] = (
+                f"{run['load_before']:.1f}/{run['load_after']:.1f}"
+            )
+    return loads
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
 
@@ -40,7 +53,9 @@ def _ratio(value: float | None, baseline: float | None) -> str:
     return f"{baseline / value:.2f}x"
 
 
-def _row(server: str, concurrency: int, doc: dict[str, Any], base: dict[str, Any] | None) -> str:
+def _row(
+    server: str, concurrency: int, doc: dict[str, Any], base: dict[str, Any] | None, load: str
+) -> str:
     summary = doc["summary"]
     requests, latency = summary["requests"], summary["latency_s"]
     throughput = summary["throughput"]["output_tokens_per_s"]
@@ -62,18 +77,27 @@ def _row(server: str, concurrency: int, doc: dict[str, Any], base: dict[str, Any
         f"| {server} | {concurrency} | {requests['completed']} | {requests['failed']} | "
         f"{tokens_per_request:.0f} | {throughput:.1f} | {_ms(ttft)} | "
         f"{_ms(latency['itl']['p50'])} | {_ms(latency['e2e']['p50'])} | {kv_events} | "
-        f"{tput_ratio} | {ttft_ratio} |"
+        f"{tput_ratio} | {ttft_ratio} | {load} |"
     )
 
 
-def summary_table(results: dict[tuple[str, int], dict[str, Any]]) -> str:
+def summary_table(
+    results: dict[tuple[str, int], dict[str, Any]], loads: dict[tuple[str, int], str]
+) -> str:
     header = (
         "| server | conv. | ok | failed | out tok/req | out tok/s | TTFT p50 ms | ITL p50 ms "
-        "| e2e p50 ms | preempt / swap-out blocks | kvserve tok/s ratio | kvserve TTFT ratio |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| e2e p50 ms | preempt / swap-out blocks | kvserve tok/s ratio | kvserve TTFT ratio "
+        "| load avg |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     rows = [
-        _row(server, concurrency, doc, results.get((BASELINE, concurrency)))
+        _row(
+            server,
+            concurrency,
+            doc,
+            results.get((BASELINE, concurrency)),
+            loads.get((server, concurrency), "-"),
+        )
         for (server, concurrency), doc in sorted(
             results.items(), key=lambda kv: (kv[0][1], kv[0][0])
         )
@@ -82,7 +106,7 @@ def summary_table(results: dict[tuple[str, int], dict[str, Any]]) -> str:
 
 
 def write_summary(out: Path) -> str:
-    text = summary_table(load_results(out)) + "\n"
+    text = summary_table(load_results(out), load_averages(out)) + "\n"
     (out / "summary.md").write_text(text)
     return text
 

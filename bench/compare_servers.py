@@ -110,7 +110,7 @@ SERVERS: dict[str, ServerSpec] = {
         ServerSpec("kvserve", _kvserve(())),
         # ~4k tokens of KV: about 6 of 32 four-turn conversations fit at once.
         ServerSpec(
-            "kvserve-small-kv", _kvserve(("--num-kv-blocks", "256", "--swap-space", "0.05"))
+            "kvserve-small-kv", _kvserve(("--num-kv-blocks", "256", "--swap-space", "0.25"))
         ),
         ServerSpec("llamacpp", _llamacpp),
         ServerSpec("transformers", _transformers, accepts_ignore_eos=False),
@@ -173,7 +173,18 @@ def loadtest(
         "--no-progress",
     ]
     print("$", " ".join(command), flush=True)
+    before = os.getloadavg()[0]
     subprocess.run(command, check=False, cwd=REPO)
+    # Other jobs on a shared machine skew the figures: keep the load next to them.
+    record = {
+        "server": name,
+        "concurrency": concurrency,
+        "load_before": before,
+        "load_after": os.getloadavg()[0],
+        "command": command,
+    }
+    with (out / "runs.jsonl").open("a") as runs:
+        runs.write(json.dumps(record) + "\n")
 
 
 def warm_up(url: str, out: Path) -> None:
