@@ -1,7 +1,8 @@
 """Summarise the load-test results of bench/compare_servers.py as a Markdown table.
 
 Reads OUT/<server>-c<C>.json and writes OUT/summary.md: per server and concurrency the
-output throughput, TTFT/ITL/e2e medians, output tokens per request, errors and the
+output throughput, TTFT/ITL/e2e medians, output tokens per finished request, requests
+finished / cut off by the run's duration bound / failed, and the
 server-side preemptions/swaps, plus each server's throughput and TTFT as a ratio to
 kvserve at the same concurrency.
 
@@ -59,7 +60,8 @@ def _row(
     summary = doc["summary"]
     requests, latency = summary["requests"], summary["latency_s"]
     throughput = summary["throughput"]["output_tokens_per_s"]
-    tokens_per_request = summary["tokens"]["output"] / max(1, requests["completed"])
+    finished = [r["completion_tokens"] for r in doc["requests"] if r["status"] == "ok"]
+    tokens_per_request = sum(finished) / max(1, len(finished))
     increase = doc["server_metrics"]["increase"]
     preempted = increase.get("preemptions_total", 0)
     swapped_out = increase.get("blocks_swapped_out_total", 0)
@@ -74,7 +76,8 @@ def _row(
     ttft = latency["ttft"]["p50"]
     ttft_ratio = _ratio(base_summary["latency_s"]["ttft"]["p50"], ttft) if base_summary else "-"
     return (
-        f"| {server} | {concurrency} | {requests['completed']} | {requests['failed']} | "
+        f"| {server} | {concurrency} | {requests['completed']} | {requests['cancelled']} | "
+        f"{requests['failed']} | "
         f"{tokens_per_request:.0f} | {throughput:.1f} | {_ms(ttft)} | "
         f"{_ms(latency['itl']['p50'])} | {_ms(latency['e2e']['p50'])} | {kv_events} | "
         f"{tput_ratio} | {ttft_ratio} | {load} |"
@@ -85,10 +88,10 @@ def summary_table(
     results: dict[tuple[str, int], dict[str, Any]], loads: dict[tuple[str, int], str]
 ) -> str:
     header = (
-        "| server | conv. | ok | failed | out tok/req | out tok/s | TTFT p50 ms | ITL p50 ms "
-        "| e2e p50 ms | preempt / swap-out blocks | kvserve tok/s ratio | kvserve TTFT ratio "
-        "| load avg |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| server | conv. | ok | cut off | failed | out tok/req | out tok/s | TTFT p50 ms "
+        "| ITL p50 ms | e2e p50 ms | preempt / swap-out blocks | kvserve tok/s ratio "
+        "| kvserve TTFT ratio | load avg |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     rows = [
         _row(

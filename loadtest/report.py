@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from loadtest.client import STATUS_CANCELLED
 from loadtest.runner import RunResult
 from loadtest.scrape import COUNTER_KEYS, METRICS
 from loadtest.stats import metric_deltas, metric_peaks, summarize, throughput_series
@@ -17,7 +18,7 @@ JSON_SCHEMA_VERSION = 1
 
 def build_result(result: RunResult) -> dict[str, Any]:
     """The JSON document of a run: config, summary, server metrics, series, requests."""
-    ok = [r for r in result.records if r.ok]
+    delivered = [r for r in result.records if r.ok or r.status == STATUS_CANCELLED]
     summary = summarize(result.records, result.duration_s, result.config.slo)
     config = dataclasses.asdict(result.config)
     config["user_len"] = result.config.user_len.describe()
@@ -35,7 +36,7 @@ def build_result(result: RunResult) -> dict[str, Any]:
             "peak": metric_peaks(result.metric_samples, GAUGE_KEYS),
         },
         "timeseries": {
-            "throughput": throughput_series(ok, result.duration_s),
+            "throughput": throughput_series(delivered, result.duration_s),
             "server_metrics": result.metric_samples,
         },
         "requests": [r.to_json() for r in result.records],

@@ -3,7 +3,8 @@ the time series the report plots.
 
 The measured window runs from the run's start to the end of its last request, so ramp-up
 and think time count against throughput, as a user of the server would see it.
-Cancelled requests (cut off by the run's bound) are neither successes nor errors.
+Cancelled requests (cut off by the run's bound) are neither successes nor errors, but
+the tokens they had received count towards throughput: the window includes their time.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO) -> 
     failed = [r for r in records if not r.ok and r.status != STATUS_CANCELLED]
     attempted = len(ok) + len(failed)
     good = [r for r in ok if is_good(r, slo)]
-    prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
-    output_tokens = sum(r.completion_tokens for r in ok)
+    delivered = [r for r in records if r.ok or r.status == STATUS_CANCELLED]
+    prompt_tokens = sum(r.prompt_tokens or 0 for r in delivered)
+    output_tokens = sum(r.completion_tokens for r in delivered)
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     return {
         "duration_s": duration_s,

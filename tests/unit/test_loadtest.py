@@ -174,14 +174,15 @@ class TestStatistics:
         assert summary["requests"]["failed"] == 1 and summary["requests"]["cancelled"] == 1
         assert summary["requests"]["error_rate"] == pytest.approx(1 / 3)
         assert summary["requests"]["errors_by_status"] == {"http_500": 1}
+        # The cancelled request's token counts towards throughput, the failed one's not.
         assert summary["tokens"] == {
-            "prompt": 20,
-            "output": 6,
+            "prompt": 30,
+            "output": 7,
             "cached_prompt": None,
             "cached_fraction": None,
         }
-        assert summary["throughput"]["output_tokens_per_s"] == pytest.approx(6 / 4)
-        assert summary["throughput"]["total_tokens_per_s"] == pytest.approx(26 / 4)
+        assert summary["throughput"]["output_tokens_per_s"] == pytest.approx(7 / 4)
+        assert summary["throughput"]["total_tokens_per_s"] == pytest.approx(37 / 4)
         assert summary["throughput"]["request_rate"] == pytest.approx(0.5)
         latency = summary["latency_s"]
         assert latency["ttft"]["p50"] == pytest.approx(1.0)

@@ -53,7 +53,9 @@ def test_summary_has_ratios_to_kvserve(tmp_path: Path) -> None:
     assert set(rows) == {"kvserve", "llamacpp"}
     kvserve = [cell.strip() for cell in rows["kvserve"].split("|")[1:-1]]
     llamacpp = [cell.strip() for cell in rows["llamacpp"].split("|")[1:-1]]
-    assert kvserve[5] == "50.0" and llamacpp[5] == "12.5"  # output tokens per second
-    assert kvserve[6] == "500" and llamacpp[6] == "2000"  # TTFT p50, ms
-    assert llamacpp[10:] == ["4.00x", "4.00x", "1.5/2.0"]  # kvserve is 4x better on both
-    assert kvserve[10:] == ["1.00x", "1.00x", "-"]
+    assert kvserve[2:5] == ["1", "0", "0"]  # ok, cut off, failed
+    assert kvserve[5] == "100"  # output tokens per finished request
+    assert kvserve[6] == "50.0" and llamacpp[6] == "12.5"  # output tokens per second
+    assert kvserve[7] == "500" and llamacpp[7] == "2000"  # TTFT p50, ms
+    assert llamacpp[11:] == ["4.00x", "4.00x", "1.5/2.0"]  # kvserve is 4x better on both
+    assert kvserve[11:] == ["1.00x", "1.00x", "-"]
