@@ -34,7 +34,16 @@ class Setup:
     caching: bool = True
 
 
-def run_workload(setup: Setup, seed: int = 0) -> tuple[dict[str, list[int]], dict, EngineStats]:
+@dataclass
+class Outcome:
+    outputs: dict[str, list[int]]
+    expected: dict[str, list[int]]
+    stats: EngineStats
+    num_copies: int
+    num_partial_chunks: int  # scheduled prefill chunks that did not reach the end
+
+
+def run_workload(setup: Setup, seed: int = 0) -> Outcome:
     rng = random.Random(seed)
     model = PrefixHashModel(vocab_size=48)
     sched_config = SchedulerConfig(
@@ -75,53 +84,63 @@ def run_workload(setup: Setup, seed: int = 0) -> tuple[dict[str, list[int]], dic
         outputs.setdefault(request_id, []).extend(tokens)
     stats = core.stats()
     assert stats.device_blocks.used == 0 and stats.host_blocks.used == 0
-    return outputs, expected, stats
+    num_copies = sum(len(step.copies) for step in runner.steps)
+    partial = sum(not r.sample for step in runner.steps for r in step.scheduled)
+    return Outcome(outputs, expected, stats, num_copies, partial)
 
 
 def test_baseline_without_cache_or_pressure_matches_the_reference() -> None:
-    outputs, expected, stats = run_workload(Setup(blocks=400, caching=False))
-    assert outputs == expected
-    assert sum(stats.preemptions_total.values()) == 0
+    result = run_workload(Setup(blocks=400, caching=False))
+    assert result.outputs == result.expected
+    assert sum(result.stats.preemptions_total.values()) == 0
+
+
+def test_forks_copy_on_write_and_keep_tokens_identical() -> None:
+    result = run_workload(Setup(blocks=400, block_size=5))
+    assert result.outputs == result.expected
+    assert any(rid.endswith("-1") for rid in result.expected), "the workload has n > 1"
+    assert result.num_copies > 0
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_recompute_preemption_keeps_tokens_identical(seed: int) -> None:
-    outputs, expected, stats = run_workload(Setup(blocks=24, mode="recompute"), seed)
-    assert outputs == expected
-    assert stats.preemptions_total["recompute"] > 0
+    result = run_workload(Setup(blocks=24, mode="recompute"), seed)
+    assert result.outputs == result.expected
+    assert result.stats.preemptions_total["recompute"] > 0
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_swap_preemption_keeps_tokens_identical(seed: int) -> None:
-    outputs, expected, stats = run_workload(Setup(blocks=24, host=64, mode="swap"), seed)
-    assert outputs == expected
-    assert stats.preemptions_total["swap"] > 0 and stats.blocks_swapped_in_total > 0
+    result = run_workload(Setup(blocks=24, host=64, mode="swap"), seed)
+    assert result.outputs == result.expected
+    assert result.stats.preemptions_total["swap"] > 0 and result.stats.blocks_swapped_in_total > 0
 
 
 def test_auto_preemption_keeps_tokens_identical() -> None:
-    outputs, expected, stats = run_workload(Setup(blocks=24, host=6, mode="auto"))
-    assert outputs == expected
-    assert sum(stats.preemptions_total.values()) > 0
+    result = run_workload(Setup(blocks=24, host=6, mode="auto"))
+    assert result.outputs == result.expected
+    assert sum(result.stats.preemptions_total.values()) > 0
 
 
 def test_chunked_prefill_keeps_tokens_identical() -> None:
-    outputs, expected, _ = run_workload(Setup(blocks=400, budget=5))
-    assert outputs == expected
+    result = run_workload(Setup(blocks=400, budget=5))
+    assert result.outputs == result.expected
+    assert result.num_partial_chunks > 0
 
 
 def test_prefix_hits_keep_tokens_identical() -> None:
-    outputs, expected, stats = run_workload(Setup(blocks=400, block_size=2))
-    assert outputs == expected
-    assert stats.prefix_cache_hits_total > 0
+    result = run_workload(Setup(blocks=400, block_size=2))
+    assert result.outputs == result.expected
+    assert result.stats.prefix_cache_hits_total > 0
 
 
 def test_reserve_policy_keeps_tokens_identical_without_preempting() -> None:
-    outputs, expected, stats = run_workload(Setup(blocks=40, policy="reserve", budget=7))
-    assert outputs == expected
-    assert sum(stats.preemptions_total.values()) == 0
+    result = run_workload(Setup(blocks=40, policy="reserve", budget=7))
+    assert result.outputs == result.expected
+    assert sum(result.stats.preemptions_total.values()) == 0
 
 
 def test_everything_at_once_with_block_size_one() -> None:
     setup = Setup(blocks=70, block_size=1, host=30, budget=6, mode="auto")
-    outputs, expected, _ = run_workload(setup)
-    assert outputs == expected
+    result = run_workload(setup)
+    assert result.outputs == result.expected
