@@ -1,0 +1,172 @@
+"""Offline engine throughput: kvserve's EngineCore vs transformers generate(), same weights.
+
+For each batch size B, B requests of ``--prompt-len`` random token ids each generate
+exactly ``--output-len`` tokens greedily (EOS ignored). Both engines run the embedded
+SmolLM2-135M-Instruct GGUF dequantized to ``--dtype``, side by side in one process.
+
+Reported per engine and batch: wall time for the whole batch, output tokens per second
+(B * output_len / wall), the decode-only rate (tokens after the first per request, over
+the time after the last prefill), and that rate as a fraction of the bf16 compute ceiling
+the issue quotes for this machine (about 1,400 tok/s).
+
+    .venv/bin/python bench/bench_engine.py                       # B = 1, 8, 32, 64
+    .venv/bin/python bench/bench_engine.py --batches 1,8 --output-len 32 --hf-batches 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.builder import build_engine, find_embedded_model
+from engine.config import EngineArgs
+from engine.request import Request, SamplingParams
+
+CEILING_TOK_S = 1400.0
+
+
+@dataclass
+class Result:
+    engine: str
+    batch: int
+    wall_s: float
+    decode_s: float
+    output_tokens: int
+    decode_cpu_s: float = float("nan")  # process CPU time of the decode phase
+
+    @property
+    def decode_tok_cpu_s(self) -> float:
+        """Decode tokens per second of process CPU time: with --threads 1 on a shared
+        machine, the closest figure to the uncontended single-core rate."""
+        return (self.output_tokens - self.batch) / self.decode_cpu_s
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def decode_tok_s(self) -> float:
+        decode_tokens = self.output_tokens - self.batch  # the first token comes with prefill
+        return decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def make_prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(batch)
+    ids = torch.randint(100, vocab - 100, (batch, prompt_len), generator=generator)
+    return ids.tolist()
+
+
+def run_kvserve(core, prompts: list[list[int]], output_len: int) -> Result:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        core.add_request([Request(f"b{len(prompts)}-{i}", prompt, params)])
+    produced = 0
+    prefill_done = prefill_cpu = None
+    while core.has_unfinished():
+        deltas = core.step()
+        produced += sum(len(d.new_token_ids) for d in deltas)
+        if prefill_done is None and produced >= len(prompts):
+            prefill_done, prefill_cpu = time.perf_counter(), time.process_time()
+    end, end_cpu = time.perf_counter(), time.process_time()
+    assert produced == len(prompts) * output_len, produced
+    decode_s = end - (prefill_done or end)
+    decode_cpu = end_cpu - (prefill_cpu or end_cpu)
+    return Result("kvserve", len(prompts), end - start, decode_s, produced, decode_cpu)
+
+
+def run_transformers(model, prompts: list[list[int]], output_len: int) -> Result:
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        start, start_cpu = time.perf_counter(), time.process_time()
+        model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
+        first, first_cpu = time.perf_counter() - start, time.process_time() - start_cpu
+        start, start_cpu = time.perf_counter(), time.process_time()
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            do_sample=False,
+        )
+        wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    produced = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    decode_s, decode_cpu = max(wall - first, 1e-9), max(cpu - first_cpu, 1e-9)
+    return Result("transformers", len(prompts), wall, decode_s, produced, decode_cpu)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--hf-batches", default=None, help="default: same as --batches")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--skip-transformers", action="store_true")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    hf_batches = [int(b) for b in (args.hf_batches or args.batches).split(",")]
+    max_batch = max(batches)
+    seq_len = args.prompt_len + args.output_len
+    built = build_engine(
+        EngineArgs(
+            dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
+            max_model_len=seq_len + 16,
+            num_kv_blocks=max_batch * (-(-(seq_len + 16) // 16)) + 8,
+            max_num_seqs=max_batch,
+            max_num_batched_tokens=max(2048, args.prompt_len),
+            swap_space_gib=0,
+        )
+    )
+    vocab = len(built.tokenizer)
+    print(f"torch threads {torch.get_num_threads()}, dtype {built.dtype}, KV {built.kv_shape}")
+    results: list[Result] = []
+    for batch in batches:
+        results.append(
+            run_kvserve(built.core, make_prompts(batch, args.prompt_len, vocab), args.output_len)
+        )
+        print(_row(results[-1]), flush=True)
+    del built
+    if not args.skip_transformers:
+        from transformers import AutoModelForCausalLM
+
+        path = find_embedded_model()
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=getattr(torch, args.dtype)
+        ).eval()
+        for batch in hf_batches:
+            prompts = make_prompts(batch, args.prompt_len, vocab)
+            results.append(run_transformers(model, prompts, args.output_len))
+            print(_row(results[-1]), flush=True)
+    print()
+    print(
+        "| engine | batch | wall s | output tok/s | decode tok/s | decode / 1,400 ceiling "
+        "| decode tok per CPU-s |"
+    )
+    print("|:--|--:|--:|--:|--:|--:|--:|")
+    for result in results:
+        print(_row(result))
+
+
+def _row(r: Result) -> str:
+    return (
+        f"| {r.engine} | {r.batch} | {r.wall_s:.1f} | {r.tok_s:.1f} | {r.decode_tok_s:.1f} | "
+        f"{r.decode_tok_s / CEILING_TOK_S:.1%} | {r.decode_tok_cpu_s:.1f} |"
+    )
+
+
+if __name__ == "__main__":
+    main()
