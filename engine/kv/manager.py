@@ -45,11 +45,6 @@ class KVCacheManager:
     def num_blocks(self, request_id: str) -> int:
         return len(self.tables.get(request_id, ()))
 
-    def blocks_to_grow(self, request: Request, num_tokens: int) -> int:
-        """New device blocks the request needs to hold ``num_tokens`` tokens in total."""
-        held = len(self.tables.get(request.request_id, ()))
-        return max(0, blocks_for_tokens(num_tokens, self.block_size) - held)
-
     # -- prefix cache ------------------------------------------------------------------------
 
     def find_cached_prefix(self, request: Request) -> list[int]:

@@ -187,3 +187,17 @@ def test_integrity_check_catches_a_ref_count_that_does_not_match_the_tables() ->
     kv.tables["a"].append(5)  # a table entry the pool does not know about
     with pytest.raises(AssertionError):
         kv.check_integrity()
+
+
+def test_freeing_a_request_withdraws_its_pending_copies() -> None:
+    kv = make_manager()
+    parent = make_request("p", list(range(6)))
+    compute(kv, parent, 6)
+    child = make_request("c", list(range(6)))
+    kv.fork(parent, child)
+    child.num_computed_tokens = 5
+    kv.allocate_slots(child, 1)  # copy pending
+    kv.free(child)  # preempted (recompute) in the same step
+    assert kv.take_copies() == []
+    assert kv.block_table("p") == [0, 1] and kv.device.num_used == 2
+    kv.check_integrity()

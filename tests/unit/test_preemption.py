@@ -181,3 +181,38 @@ def test_reserve_never_preempts_forked_groups_even_with_a_tiny_token_budget() ->
     outputs = drive(core)
     assert len(outputs) == 6
     assert sum(sched.stats().preemptions_total.values()) == 0
+
+
+def test_a_victim_already_scheduled_in_this_step_is_taken_back_out() -> None:
+    sched = make_scheduler(blocks=4, preemption_mode="recompute")
+    (low,) = make_group("low", list(range(6)), priority=1, arrival_time=1.0)
+    (high,) = make_group("high", list(range(100, 108)), priority=0, arrival_time=2.0)
+    sched.add_request([low])
+    sched.add_request([high])
+    step(sched)
+    # low decodes in place (scheduled first); high needs a fifth block: low must go.
+    out = step(sched)
+    assert [r.request_id for r in out.scheduled] == ["high"]
+    assert out.num_batched_tokens == 1
+    assert low.status is RequestStatus.WAITING and low.num_computed_tokens == 0
+
+
+def test_a_recomputed_victim_queues_behind_more_important_waiting_requests() -> None:
+    sched = make_scheduler(blocks=4, preemption_mode="recompute")
+    fill_two_requests(sched)
+    (urgent,) = make_group("urgent", [1, 2], priority=-1, arrival_time=9.0)
+    (later,) = make_group("later", [3, 4], priority=0, arrival_time=9.0)
+    sched.add_request([later])
+    sched.add_request([urgent])
+    step(sched)  # b is preempted
+    assert [r.request_id for r in sched.waiting] == ["urgent", "b", "later"]
+
+
+def test_aborting_a_swapped_request_frees_its_host_blocks() -> None:
+    sched = make_scheduler(blocks=4, host=4, preemption_mode="swap")
+    _, b = fill_two_requests(sched)
+    step(sched)
+    assert b.status is RequestStatus.SWAPPED and sched.kv.host.num_used == 2
+    sched.abort("b")
+    assert sched.kv.host.num_used == 0 and not sched.swapped
+    sched.check_integrity()

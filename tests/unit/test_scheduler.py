@@ -227,3 +227,33 @@ def test_stats_snapshot_is_immutable_after_later_steps() -> None:
     assert before.num_waiting == 1 and before.generation_tokens_total == 0
     assert core.stats().generation_tokens_total == 3
     assert core.stats().device_blocks.used == 0
+
+
+def test_update_skips_requests_aborted_after_the_step_was_built() -> None:
+    sched = make_scheduler()
+    sched.add_request(make_group("a", [1, 2, 3]))
+    sched.add_request(make_group("b", [4, 5, 6]))
+    out = sched.schedule()
+    sched.abort("a")  # e.g. its batch failed inside the runner
+    deltas = sched.update(out, sample_all(out))
+    assert [d.request_id for d in deltas] == ["b"]
+    sched.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("group", "message"),
+    [
+        ([], "at least one request"),
+        (make_group("g", [1, 2], SamplingParams(n=2))[1:], "indices must be 0..n-1"),
+    ],
+)
+def test_malformed_groups_are_caller_errors(group: list, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_scheduler().add_request(group)
+
+
+def test_sequences_of_a_group_must_share_the_prompt() -> None:
+    group = make_group("g", [1, 2], SamplingParams(n=2))
+    group[1].prompt_token_ids = [3]
+    with pytest.raises(ValueError, match="share the prompt"):
+        make_scheduler().add_request(group)
