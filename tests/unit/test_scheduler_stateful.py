@@ -149,6 +149,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.outputs.setdefault(request_id, []).extend(tokens)
         stats = self.core.stats()
         assert stats.device_blocks.used == 0 and stats.host_blocks.used == 0
+        kv = self.core.scheduler.kv
+        assert not kv.tables and not kv.host_tables, "a finished request kept a block table"
         for gid, group in self.groups.items():
             for request in group:
                 assert request.is_finished
