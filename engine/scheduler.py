@@ -295,6 +295,9 @@ class Scheduler:
         return child_blocks(parent, self.block_size, self.config.max_model_len)
 
     def _on_admitted(self, request: Request, num_hit: int) -> None:
+        """Counters of an admission. Every admission is a prefix-cache lookup (a recomputed
+        request looks up its generated tokens too); prompt tokens, queue time and
+        ``num_cached_tokens`` belong to the first admission only."""
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit
         if self.kv.enable_caching:
