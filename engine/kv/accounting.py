@@ -188,4 +188,3 @@ def format_bytes(num_bytes: float) -> str:
             return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
-
