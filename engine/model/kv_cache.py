@@ -23,8 +23,10 @@ _STORAGE_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "int8": torch.int8,
-    "fp8": torch.float8_e4m3fn,
+    # fp8 bytes are stored as uint8: CPU index_copy_/index_select do not take float8.
+    "fp8": torch.uint8,
 }
+_FP8 = torch.float8_e4m3fn
 # Largest magnitude each quantized format represents; scales map absmax onto it.
 _QUANT_MAX: dict[str, float] = {"int8": 127.0, "fp8": 448.0}
 
@@ -130,8 +132,10 @@ class PagedKVCache:
         scale = absmax / self.quant_max
         quantized = per_head.float() / scale.unsqueeze(-1)
         if cache.dtype == torch.int8:
-            quantized = quantized.round().clamp(-127, 127)
-        flat.index_copy_(1, slots, quantized.to(cache.dtype))
+            stored = quantized.round().clamp(-127, 127).to(torch.int8)
+        else:
+            stored = quantized.to(_FP8).view(torch.uint8)
+        flat.index_copy_(1, slots, stored)
         scales[layer].view(heads, -1).index_copy_(1, slots, scale)
 
     def _gather_one(
@@ -147,4 +151,6 @@ class PagedKVCache:
         if scales is None:
             return tokens if tokens.dtype == self.compute_dtype else tokens.to(self.compute_dtype)
         token_scales = scales[layer].index_select(1, block_ids).view(heads, -1, 1)
+        if tokens.dtype == torch.uint8:
+            tokens = tokens.view(_FP8)
         return (tokens.to(torch.float32) * token_scales).to(self.compute_dtype)
