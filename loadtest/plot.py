@@ -117,7 +117,7 @@ def _events_panel(ax: Axes, samples: Samples) -> None:
 def plot_report(document: dict[str, Any], path: Path) -> None:
     """Draw the report of a run's JSON document into ``path`` (PNG)."""
     samples = document["timeseries"]["server_metrics"]
-    latency_records = [r for r in document["requests"] if r["status"] == "ok"]
+    latency_records = [r for r in document["requests"] if r["status"] in ("ok", "cancelled")]
     ttfts = [r["ttft"] for r in latency_records if r["ttft"] is not None]
     itls = [b - a for r in latency_records for a, b in itertools.pairwise(r["chunk_times"])]
     fig, axes = plt.subplots(2, 3, figsize=(16, 9))

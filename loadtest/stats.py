@@ -4,7 +4,8 @@ the time series the report plots.
 The measured window runs from the run's start to the end of its last request, so ramp-up
 and think time count against throughput, as a user of the server would see it.
 Cancelled requests (cut off by the run's bound) are neither successes nor errors, but
-the tokens they had received count towards throughput: the window includes their time.
+the tokens they had received count towards throughput (the window includes their time)
+and their first-token and inter-token latencies are measured like any other's.
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO) -> 
             "total_tokens_per_s": _rate(prompt_tokens + output_tokens, duration_s),
         },
         "latency_s": {
-            "ttft": distribution([r.ttft for r in ok if r.ttft is not None]),
-            "itl": distribution([gap for r in ok for gap in r.itls]),
+            # A request cut off by the bound still measured its first token and gaps.
+            "ttft": distribution([r.ttft for r in delivered if r.ttft is not None]),
+            "itl": distribution([gap for r in delivered for gap in r.itls]),
             "tpot": distribution([r.tpot for r in ok if r.tpot is not None]),
             "e2e": distribution([r.e2e for r in ok if r.e2e is not None]),
         },
