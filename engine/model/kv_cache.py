@@ -85,8 +85,11 @@ def copy_blocks(src: KVPool, dst: KVPool, pairs: list[tuple[int, int]]) -> None:
     dst_device = dst.key.device
     src_ids = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src_device)
     dst_ids = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst_device)
+    # Host -> device may overlap (pinned source); device -> host must land before the CPU
+    # reads it, so that direction blocks.
+    non_blocking = dst_device.type == "cuda"
     for src_tensor, dst_tensor in zip(src.tensors(), dst.tensors(), strict=True):
-        blocks = src_tensor.index_select(2, src_ids).to(dst_device, non_blocking=True)
+        blocks = src_tensor.index_select(2, src_ids).to(dst_device, non_blocking=non_blocking)
         dst_tensor.index_copy_(2, dst_ids, blocks)
 
 

@@ -31,7 +31,8 @@ def make_core(
     host_pool = None
     if cache.num_host_blocks:
         host_layout = KVPoolLayout(shape, cache.num_host_blocks, cache.block_size)
-        host_pool = KVPool(host_layout, torch.device("cpu"))
+        pinned = model.device.type == "cuda"
+        host_pool = KVPool(host_layout, torch.device("cpu"), pin_memory=pinned)
     runner = ModelRunner(model, device_pool, host_pool, eos_token_ids=eos_token_ids)
     return EngineCore(Scheduler(scheduler or SchedulerConfig(), cache, shape), runner)
 
