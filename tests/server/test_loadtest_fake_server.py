@@ -337,3 +337,25 @@ def test_cli_writes_json_and_png(
     assert set(state.auth_headers) == {"Bearer secret-key"}
     out = capsys.readouterr().out
     assert "out tok/s" in out and "ttft" in out
+
+
+def test_poisson_mode_stops_at_its_duration(fake_server: tuple[str, FakeBehaviour]) -> None:
+    url, state = fake_server
+    state.ttft_s, state.itl_s = 0.01, 0.001
+    config = LoadTestConfig(
+        url=url,
+        concurrency=4,
+        turns=1000,
+        request_rate=20.0,
+        max_tokens=2,
+        duration_s=1.0,
+        drain_timeout_s=2.0,
+        think_time_s=0.05,
+    )
+    started = time.monotonic()
+    doc = _run(config)
+    assert time.monotonic() - started < 5.0
+    assert doc["stopped_by"] == "duration"
+    requests = doc["summary"]["requests"]
+    assert requests["failed"] == 0 and 3 <= requests["completed"] <= 60
+    assert {r["conversation_id"] for r in doc["requests"]} <= set(range(4))
