@@ -194,7 +194,7 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _log_late_signal(signum: int, _frame: FrameType | None) -> None:
-    logger.info("received %s after shutdown; exiting", signal.Signals(signum).name)
+    logger.debug("%s handled: graceful shutdown done", signal.Signals(signum).name)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -99,6 +99,9 @@ def build_tiny(model_dir: Path, **overrides: Any) -> Any:
 
 @pytest.fixture(scope="session")
 def tiny_built(tiny_model_dir: Path) -> Any:
+    """One tiny engine shared by several servers. EngineCore is single-threaded: each
+    server gets its own AsyncEngine thread, so a test must drive only one of them at a
+    time (idle engine threads sleep and never touch the core)."""
     return build_tiny(tiny_model_dir)
 
 

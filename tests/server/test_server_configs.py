@@ -65,6 +65,15 @@ def test_health_and_metrics_stay_open(auth_server: LiveServer):
     assert httpx.get(f"{auth_server.url}/metrics").status_code == 200
 
 
+def test_protect_open_endpoints_puts_health_and_metrics_behind_the_key(tiny_built: Any):
+    settings = ServerSettings(api_key=KEY, protect_open_endpoints=True)
+    with live_server(tiny_built, settings) as live:
+        for path in ("/health", "/metrics", "/version"):
+            assert httpx.get(f"{live.url}{path}").status_code == 401
+            auth = {"Authorization": f"Bearer {KEY}"}
+            assert httpx.get(f"{live.url}{path}", headers=auth).status_code == 200
+
+
 @pytest.fixture(scope="module")
 def queue_server(tiny_model_dir: Path) -> Iterator[LiveServer]:
     built = build_tiny(tiny_model_dir, max_num_seqs=1, max_queued_requests=1)
