@@ -367,3 +367,37 @@ def test_user_and_priority_are_accepted(client: Any):
         extra_body={"priority": -1, **NO_EOS},
     )
     assert resp.usage.completion_tokens == 2
+
+
+def test_load_tool_style_request(server: LiveServer):
+    """The body shape guidellm sends: content parts, explicit null stop, both usage
+    options, max_completion_tokens with ignore_eos, prior turns in the history."""
+    body = {
+        "model": TINY_MODEL_NAME,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "max_completion_tokens": 7,
+        "stop": None,
+        "ignore_eos": True,
+        "messages": [
+            {"role": "system", "content": "prefix text"},
+            {"role": "user", "content": [{"type": "text", "text": "first turn"}]},
+            {"role": "assistant", "content": "an answer"},
+            {"role": "user", "content": [{"type": "text", "text": "second turn"}]},
+        ],
+    }
+    events = sse_events(server, "/v1/chat/completions", body)
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert text
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 7
+    completion = {
+        "model": TINY_MODEL_NAME,
+        "prompt": "a prompt",
+        "max_tokens": 5,
+        "stop": None,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    events = sse_events(server, "/v1/completions", completion)
+    assert events[-1]["usage"]["completion_tokens"] == 5
