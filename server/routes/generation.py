@@ -236,13 +236,14 @@ class GenerationRun:
             group = self.groups[p]
             now = time.monotonic()
             for delta in deltas:
+                if delta.error:
+                    # Checked first: a failed choice reports the error, not a finish.
+                    self._abandon_all("error")
+                    raise self._delta_error(delta)
                 if 0 <= delta.index < len(group.choices):
                     update = group.choices[delta.index].on_delta(delta, now)
                     if update.text or update.logprobs or update.finish_reason:
                         yield update
-                    if delta.error:
-                        self._abandon_all("error")
-                        raise self._delta_error(delta)
             if all(c.finished for c in group.choices):
                 # Every choice ended (some perhaps by a stop string the engine does not
                 # know about): stop the group in the engine now.
