@@ -76,7 +76,8 @@ def test_protect_open_endpoints_puts_health_and_metrics_behind_the_key(tiny_buil
 
 @pytest.fixture(scope="module")
 def queue_server(tiny_model_dir: Path) -> Iterator[LiveServer]:
-    built = build_tiny(tiny_model_dir, max_num_seqs=1, max_queued_requests=1)
+    """One sequence at a time, at most two waiting."""
+    built = build_tiny(tiny_model_dir, max_num_seqs=1, max_queued_requests=2)
     with live_server(built, ServerSettings(served_model_names=(TINY_MODEL_NAME,))) as live:
         yield live
 
@@ -88,18 +89,53 @@ def test_full_queue_is_503_with_retry_after(queue_server: LiveServer):
         lines = running.iter_lines()  # keep the iterator: dropping it closes the connection
         next(lines)
         short = {**CHAT, "ignore_eos": True}
-        waiting = threading.Thread(target=httpx.post, args=(url,), kwargs={"json": short})
-        waiting.start()
-        deadline = time.monotonic() + 10
-        while queue_server.ctx.engine.stats().num_waiting < 1:
-            assert time.monotonic() < deadline, "second request never queued"
-            time.sleep(0.01)
+        waiting = [
+            threading.Thread(target=httpx.post, args=(url,), kwargs={"json": short})
+            for _ in range(2)
+        ]
+        for thread in waiting:
+            thread.start()
+        wait_for_waiting(queue_server, 2)
         rejected = httpx.post(url, json=CHAT)
     assert rejected.status_code == 503
     assert rejected.headers["retry-after"] == "1"
     assert rejected.json()["error"]["code"] == "queue_full"
     assert "queued" in rejected.json()["error"]["message"]
-    waiting.join(60)
+    for thread in waiting:
+        thread.join(60)
+
+
+def wait_for_waiting(live: LiveServer, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while live.ctx.engine.stats().num_waiting < count:
+        assert time.monotonic() < deadline, f"{count} requests never queued"
+        time.sleep(0.01)
+
+
+def test_priority_orders_the_waiting_queue(queue_server: LiveServer):
+    url = f"{queue_server.url}/v1/chat/completions"
+    finished: list[str] = []
+
+    def send(name: str, priority: int) -> None:
+        body = {**CHAT, "max_tokens": 4, "ignore_eos": True, "priority": priority}
+        assert httpx.post(url, json=body, timeout=60).status_code == 200
+        finished.append(name)
+
+    long = {**CHAT, "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url, json=long, timeout=60) as running:
+        lines = running.iter_lines()
+        next(lines)
+        low = threading.Thread(target=send, args=("low", 5))
+        low.start()
+        wait_for_waiting(queue_server, 1)
+        high = threading.Thread(target=send, args=("high", -5))
+        high.start()
+        wait_for_waiting(queue_server, 2)
+    # Closing the running stream aborts it; with one sequence at a time, the more
+    # important request (lower value) runs first although it arrived second.
+    low.join(60)
+    high.join(60)
+    assert finished == ["high", "low"]
 
 
 class FailingRunner:
