@@ -29,7 +29,7 @@ MISSING_MODEL_LINE = (
 API_KEY_ENV = "KVSERVE_API_KEY"
 
 
-def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     model = p.add_argument_group("model")
     model.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2)")
@@ -161,13 +161,15 @@ def _run_uvicorn(built: object, engine_args: EngineArgs, settings: ServerSetting
     import uvicorn
 
     from server.app import build_app, serving_context
+    from server.shutdown import DrainingServer
 
     cache_info = {
         "enable_prefix_caching": str(engine_args.enable_prefix_caching).lower(),
         "preemption_mode": engine_args.preemption_mode,
         "admission_policy": engine_args.admission_policy,
     }
-    app = build_app(serving_context(built, settings, cache_info=cache_info))
+    ctx = serving_context(built, settings, cache_info=cache_info)
+    app = build_app(ctx)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -175,7 +177,7 @@ def _run_uvicorn(built: object, engine_args: EngineArgs, settings: ServerSetting
         log_level=settings.log_level,
         timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_s),
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, ctx.engine)
     # uvicorn drains on SIGTERM/SIGINT (stop accepting, wait for in-flight requests up to
     # the timeout, cancel the rest; the app's lifespan then aborts what the engine still
     # runs) and afterwards re-raises the signal to the previous handler. A handler that
