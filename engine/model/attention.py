@@ -157,14 +157,17 @@ def _decode_attention(
     batch, heads, head_dim = query.shape
     keys, values = cache.gather(layer, meta.decode_block_ids)
     kv_heads = keys.shape[0]
-    keys = keys.view(kv_heads, batch, -1, head_dim)
-    values = values.view(kv_heads, batch, -1, head_dim)
-    # [kv_heads, batch, group, head_dim]: the group's query heads share one K/V head.
-    grouped = query.view(batch, kv_heads, heads // kv_heads, head_dim).transpose(0, 1)
-    scores = torch.matmul(grouped * scale, keys.transpose(-1, -2))
-    scores = scores + meta.decode_bias
+    group = heads // kv_heads
+    # One flat batch of (kv head, request) pairs: [kv_heads * batch, group, head_dim] queries
+    # against [kv_heads * batch, tokens, head_dim] keys. Explicit 3-D bmm avoids the extra
+    # copies matmul makes for 4-D operands.
+    keys = keys.view(kv_heads * batch, -1, head_dim)
+    values = values.view(kv_heads * batch, -1, head_dim)
+    grouped = query.view(batch, kv_heads, group, head_dim).transpose(0, 1) * scale
+    scores = torch.bmm(grouped.reshape(kv_heads * batch, group, head_dim), keys.transpose(1, 2))
+    scores.view(kv_heads, batch, group, -1).add_(meta.decode_bias)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-    out = torch.matmul(probs, values)  # [kv_heads, batch, group, head_dim]
+    out = torch.bmm(probs, values).view(kv_heads, batch, group, head_dim)
     return out.transpose(0, 1).reshape(batch, heads * head_dim)
 
 

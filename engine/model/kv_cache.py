@@ -148,9 +148,11 @@ class PagedKVCache:
         cache: torch.Tensor,
         scales: torch.Tensor | None,
     ) -> torch.Tensor:
-        heads, _, _, head_dim = cache.shape[1:]
-        blocks = cache[layer].index_select(1, block_ids)
-        tokens = blocks.view(heads, -1, head_dim)
+        heads, num_blocks, _, head_dim = cache.shape[1:]
+        # Selecting whole flattened blocks (rows of block_size * head_dim) is several times
+        # faster on the CPU than index_select over a 4-D tensor's block dimension.
+        rows = cache[layer].view(heads, num_blocks, -1)
+        tokens = rows.index_select(1, block_ids).view(heads, -1, head_dim)
         if scales is None:
             return tokens if tokens.dtype == self.compute_dtype else tokens.to(self.compute_dtype)
         token_scales = scales[layer].index_select(1, block_ids).view(heads, -1, 1)

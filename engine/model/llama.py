@@ -138,10 +138,12 @@ class LlamaModel:
         spec = self.spec
         tokens = x.shape[0]
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-        query, key, value = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
-        query = apply_rotary(query.view(tokens, spec.num_heads, spec.head_dim), cos, sin)
-        key = apply_rotary(key.view(tokens, spec.num_kv_heads, spec.head_dim), cos, sin)
-        value = value.view(tokens, spec.num_kv_heads, spec.head_dim)
+        # Rotate query and key heads in one pass: they sit side by side in the QKV output.
+        rope_width = spec.q_size + spec.kv_size
+        rope_heads = spec.num_heads + spec.num_kv_heads
+        rotated = apply_rotary(qkv[:, :rope_width].view(tokens, rope_heads, -1), cos, sin)
+        query, key = rotated.split([spec.num_heads, spec.num_kv_heads], dim=1)
+        value = qkv[:, rope_width:].view(tokens, spec.num_kv_heads, spec.head_dim)
         attended = paged_attention(index, query, key, value, cache, meta, self.scale)
         return F.linear(attended, layer.o_proj)
 
