@@ -141,6 +141,13 @@ class AsyncEngine:
             self._inbox.stopping = True
             self._inbox.cond.notify()
 
+    def end_open_streams(self, reason: str) -> None:
+        """End every open stream now with ``EngineDeadError(reason)``: the last step of a
+        drain that ran out of time, so clients get an error event and a proper end
+        instead of a cut connection (the routes then abort the requests). Call it on the
+        event loop's thread."""
+        self._fail_all(EngineDeadError(reason))
+
     def join(self, timeout_s: float = 10.0) -> None:
         """Wait (bounded) for the engine thread to finish its last step and exit."""
         if self._thread is not None:
