@@ -124,7 +124,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     dtype = resolve_dtype(args.dtype, device)
     tokenizer = load_tokenizer(source)
     model = load_model(source, dtype, device, max_positions=_position_table_size(args))
-    max_model_len = _max_model_len(args, model.spec.max_position_embeddings)
+    max_model_len = _max_model_len(args, model.spec.context_limit)
     kv_shape = model.spec.kv_shape(resolve_kv_dtype(args.kv_cache_dtype, dtype))
     weight_bytes = model.weights.nbytes
     activation = measure_activation_peak(model, kv_shape, args, max_model_len)

@@ -32,6 +32,16 @@ class ModelSpec:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    # Attention window of Mistral-style models. kvserve attends to the full context, which
+    # equals windowed attention only while sequences stay within the window.
+    sliding_window: int | None = None
+
+    @property
+    def context_limit(self) -> int:
+        """Longest sequence this full-attention implementation serves exactly."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
     @property
     def group_size(self) -> int:
@@ -76,7 +86,15 @@ def spec_from_hf_config(config: Any) -> ModelSpec:
         rms_norm_eps=float(config.rms_norm_eps),
         max_position_embeddings=int(config.max_position_embeddings),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        sliding_window=_sliding_window(config),
     )
+
+
+def _sliding_window(config: Any) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if not window or not getattr(config, "use_sliding_window", True):
+        return None
+    return int(window)
 
 
 def rope_inverse_frequencies(config: Any, spec: ModelSpec) -> tuple[torch.Tensor, float]:
