@@ -25,6 +25,9 @@ from engine.step_executor import EngineFault, StepExecutor
 # RequestDelta.error_code values.
 QUEUE_TIMEOUT = "queue_timeout"
 ENGINE_FAULT = "engine_fault"
+# A request that runs out of memory even alone is preempted (recomputed later) this many
+# times before it is failed.
+MAX_OOM_PREEMPTIONS = 2
 
 
 class Runner(Protocol):
@@ -43,6 +46,7 @@ class EngineCore:
         self.executor = StepExecutor(runner)
         # Every live client request's sequences, so a failure can end all of its choices.
         self._groups: dict[str, list[Request]] = {}
+        self._oom_preemptions: dict[str, int] = {}  # request id -> count
         self._stats = scheduler.stats()
 
     @property
@@ -66,7 +70,8 @@ class EngineCore:
     def abort(self, group_id: str) -> None:
         """Abort a client request; its blocks are free before the next step runs."""
         self.scheduler.abort(group_id)
-        self._groups.pop(group_id, None)
+        for request in self._groups.pop(group_id, ()):
+            self._oom_preemptions.pop(request.request_id, None)
         self._publish()
 
     def step(self) -> list[RequestDelta]:
@@ -81,7 +86,8 @@ class EngineCore:
             self._publish()  # a step may preempt (recompute) without scheduling anything
             return []
         result = self.executor.execute(out)
-        failed = self._fail(result.failed, ENGINE_FAULT) if result.failed else []
+        reasons = {**result.failed, **self._preempt_unexecuted(result.unexecuted)}
+        failed = self._fail(reasons, ENGINE_FAULT) if reasons else []
         deltas = failed + self.scheduler.update(out, result.output)
         self._forget_finished(deltas)
         if failed:
@@ -126,11 +132,25 @@ class EngineCore:
             deltas.extend(_error_delta(r, reason, code) for r in live)
         return deltas
 
+    def _preempt_unexecuted(self, unexecuted: dict[str, str]) -> dict[str, str]:
+        """Preempt (for recompute in a later, smaller batch) what ran out of memory even
+        alone; return the requests that already had their retries, to be failed."""
+        give_up = {}
+        for request_id, reason in unexecuted.items():
+            count = self._oom_preemptions.get(request_id, 0)
+            if count < MAX_OOM_PREEMPTIONS and self.scheduler.preempt_unexecuted(request_id):
+                self._oom_preemptions[request_id] = count + 1
+            else:
+                give_up[request_id] = f"{reason} (after {count} preemptions)"
+        return give_up
+
     def _forget_finished(self, deltas: list[RequestDelta]) -> None:
         for group_id in {d.group_id for d in deltas if d.finished}:
             members = self._groups.get(group_id)
             if members is not None and all(r.is_finished for r in members):
                 del self._groups[group_id]
+                for request in members:
+                    self._oom_preemptions.pop(request.request_id, None)
 
     def _check_after_failure(self) -> None:
         """After failing a batch the block pools must still add up; if not, the failure

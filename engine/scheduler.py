@@ -107,6 +107,23 @@ class Scheduler:
                 self.waiting.remove(request)
             self._retire(request, RequestStatus.FINISHED_ABORTED)
 
+    def preempt_unexecuted(self, request_id: str) -> bool:
+        """Send a request scheduled in the last step back to the waiting queue, to be
+        recomputed later: the runner could not execute its share (out of memory even
+        alone). Call before ``update()``, which then skips it. False when it is not
+        running (finished or aborted meanwhile)."""
+        request = self._requests.get(request_id)
+        if request is None or request.status is not RequestStatus.RUNNING:
+            return False
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self._enqueue_waiting(request, front=True)
+        request.num_preemptions += 1
+        self._counters.preemptions["recompute"] += 1
+        return True
+
     def _validate_group(self, group: list[Request]) -> None:
         """Programming errors of the caller, not user input: fail loudly."""
         if not group:

@@ -10,8 +10,9 @@ inside the runner is survivable exactly when the damage stays inside that step's
 - the forward and sampling then run over the batch. An out-of-memory error frees cached
   device memory and retries the batch in halves, down to single requests and then to
   halves of one request's token chunk (a chunked prefill, exact because attention reads
-  the K/V the earlier piece wrote). Whatever still cannot run is failed alone. Any other
-  exception fails the whole batch -- and only it.
+  the K/V the earlier piece wrote). A request that does not fit even alone is reported
+  ``unexecuted``: the core preempts it (recompute, later, in a smaller batch) a few times
+  before giving up on it. Any other exception fails the whole batch -- and only it.
 - errors that leave the device unusable (CUDA errors, device-side asserts) and a run of
   consecutive failed steps are fatal: they raise ``EngineFault``.
 
@@ -44,11 +45,13 @@ class EngineFault(RuntimeError):
 
 @dataclass
 class StepResult:
-    """The runner's output for what ran, and the requests that could not run (id ->
-    why). The caller must fail those before it applies ``output``."""
+    """The runner's output for what ran; the requests that failed (id -> why) and those
+    that ran out of memory even alone (id -> why). The caller must fail or preempt those
+    before it applies ``output``."""
 
     output: RunnerOutput
     failed: dict[str, str] = field(default_factory=dict)
+    unexecuted: dict[str, str] = field(default_factory=dict)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -130,7 +133,10 @@ class StepExecutor:
         result = StepResult(RunnerOutput())
         pending = _halves(batch)
         while pending:
-            piece = pending.pop(0)
+            # The later pieces of a request whose earlier piece did not run are moot.
+            piece = [r for r in pending.pop(0) if not _is_lost(result, r.request_id)]
+            if not piece:
+                continue
             self.num_oom_retries += 1
             try:
                 output = self.runner.execute(SchedulerOutput(scheduled=piece))
@@ -144,7 +150,7 @@ class StepExecutor:
                 if smaller:
                     pending[:0] = smaller
                 else:
-                    _merge(result, _fail_all(piece, exc))
+                    result.unexecuted.update(_fail_all(piece, exc).failed)
                 continue
             _merge(result, StepResult(output))
         return result
@@ -156,6 +162,7 @@ class StepExecutor:
             raise EngineFault(f"the device failed: {_describe(exc)}") from exc
 
     def _count(self, result: StepResult) -> None:
+        # Out-of-memory victims are not counted: the core retries and gives up per request.
         if not result.failed:
             self._consecutive_failures = 0
             return
@@ -165,6 +172,10 @@ class StepExecutor:
             raise EngineFault(
                 f"{self._consecutive_failures} consecutive steps failed; last: {reason}"
             )
+
+
+def _is_lost(result: StepResult, request_id: str) -> bool:
+    return request_id in result.failed or request_id in result.unexecuted
 
 
 def _moves_only(out: SchedulerOutput) -> SchedulerOutput:
@@ -205,6 +216,7 @@ def _merge(into: StepResult, part: StepResult) -> None:
     into.output.sampled_token_ids.update(part.output.sampled_token_ids)
     into.output.logprobs.update(part.output.logprobs)
     into.failed.update(part.failed)
+    into.unexecuted.update(part.unexecuted)
 
 
 def _describe(exc: BaseException) -> str:

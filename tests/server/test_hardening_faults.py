@@ -163,8 +163,33 @@ def test_oom_on_a_single_token_fails_only_that_request():
     errors = {d.request_id: d for d in deltas if d.error}
     assert set(errors) == {"g1"}
     assert errors["g1"].error_code == ENGINE_FAULT and "OutOfMemoryError" in errors["g1"].error
+    # It was preempted (to retry later, in a smaller batch) before the engine gave up.
+    assert "after 2 preemptions" in errors["g1"].error
+    assert core.stats().preemptions_total["recompute"] == 2
     outputs = tokens_by_request(deltas)
     assert {rid: outputs[rid] for rid in ("g0", "g2")} == {r: expected[r] for r in ("g0", "g2")}
+    assert_pool_empty(core)
+
+
+def test_a_request_that_ooms_alone_once_is_preempted_and_then_completes_exactly():
+    class OnceTooBig(OOMRunner):
+        """g2 does not fit on its first try, even alone; later it does."""
+
+        def execute(self, out: SchedulerOutput) -> RunnerOutput:
+            import torch
+
+            if self.ooms == 0 and any(r.request_id == "g2" for r in out.scheduled):
+                if len(out.scheduled) == 1 and out.num_batched_tokens == 1:
+                    self.ooms += 1
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            return self.inner.execute(out)
+
+    core, _, config = make_core(lambda fake: OnceTooBig(fake, 10_000))
+    expected = add_all(core, config, prompts(4))
+    deltas = drive(core)
+    assert not [d for d in deltas if d.error]
+    assert core.stats().preemptions_total["recompute"] == 1
+    assert tokens_by_request(deltas) == expected
     assert_pool_empty(core)
 
 
