@@ -82,6 +82,12 @@ def _llamacpp(args: argparse.Namespace, port: int) -> list[str]:
         str(args.llamacpp_n_ctx),
         "--n_threads",
         str(args.threads),
+        "--n_threads_batch",
+        str(args.threads),
+        # By default a new request interrupts the one streaming (which then ends without
+        # a finish_reason); queue them instead, as a server under load should.
+        "--interrupt_requests",
+        "False",
     ]
 
 
@@ -142,7 +148,7 @@ def loadtest(
     url: str, out: Path, spec: ServerSpec, args: argparse.Namespace, concurrency: int
 ) -> None:
     name = spec.name
-    ignore_eos = ["--ignore-eos"] if spec.accepts_ignore_eos else []
+    ignore_eos = ["--ignore-eos"] if args.ignore_eos and spec.accepts_ignore_eos else []
     command = [
         sys.executable,
         "-m",
@@ -251,6 +257,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--user-len", default="64")
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="ask for exactly max_tokens where the server takes ignore_eos "
+        "(kvserve honours it, llama-cpp-python ignores it, transformers "
+        "rejects it); off by default so every server gets identical requests",
+    )
     parser.add_argument("--system-prompt-len", type=int, default=0)
     parser.add_argument("--duration", type=float, default=180.0, help="per run, seconds")
     parser.add_argument("--drain-timeout", type=float, default=30.0)

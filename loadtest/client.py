@@ -20,6 +20,7 @@ import httpx
 
 STATUS_OK = "ok"
 STATUS_CANCELLED = "cancelled"  # cut off by the run's bound, not a server failure
+STATUS_TRUNCATED = "truncated"  # the stream ended without a finish_reason
 
 
 @dataclass
@@ -165,6 +166,10 @@ async def stream_chat(
                 record.status, record.error = f"http_{response.status_code}", body[:500]
             else:
                 await _read_stream(response, record, t0)
+                if record.ok and record.finish_reason is None:
+                    # The server closed the stream without finishing the choice (an
+                    # interrupted or crashed generation): not a success.
+                    record.status, record.error = STATUS_TRUNCATED, "no finish_reason"
     except httpx.HTTPError as exc:
         record.status, record.error = type(exc).__name__, str(exc)[:500]
     except asyncio.CancelledError:

@@ -43,6 +43,7 @@ class FakeBehaviour:
     itl_s: float = ITL_S
     report_usage: bool = True
     fail_every: int = 0  # every Nth request answers 500 (0: never)
+    truncate_every: int = 0  # every Nth stream stops after one token, unfinished (0: never)
     metrics: bool = True
     requests_seen: int = 0
     running: int = 0
@@ -58,7 +59,7 @@ def _chunk(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-async def _stream(body: dict[str, Any], state: FakeBehaviour) -> AsyncIterator[str]:
+async def _stream(body: dict[str, Any], state: FakeBehaviour, truncate: bool) -> AsyncIterator[str]:
     state.running += 1
     try:
         yield _chunk({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
@@ -67,6 +68,8 @@ async def _stream(body: dict[str, Any], state: FakeBehaviour) -> AsyncIterator[s
             if i:
                 await asyncio.sleep(state.itl_s)
             yield _chunk({"choices": [{"index": 0, "delta": {"content": f"w{i} "}}]})
+            if truncate:
+                return
         yield _chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
         if state.report_usage and body.get("stream_options", {}).get("include_usage"):
             usage = {
@@ -95,7 +98,8 @@ def fake_app(state: FakeBehaviour) -> FastAPI:
         state.requests_seen += 1
         if state.fail_every and state.requests_seen % state.fail_every == 0:
             return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
-        return StreamingResponse(_stream(body, state), media_type="text/event-stream")
+        truncate = bool(state.truncate_every) and state.requests_seen % state.truncate_every == 0
+        return StreamingResponse(_stream(body, state, truncate), media_type="text/event-stream")
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -218,6 +222,14 @@ def test_errors_are_counted_by_status(fake_server: tuple[str, FakeBehaviour]) ->
     assert requests["completed"] + requests["failed"] == 6
     assert requests["failed"] == 2 and requests["errors_by_status"] == {"http_500": 2}
     assert requests["error_rate"] == pytest.approx(2 / 6)
+
+
+def test_unfinished_streams_are_errors(fake_server: tuple[str, FakeBehaviour]) -> None:
+    url, state = fake_server
+    state.truncate_every = 2
+    doc = _run(LoadTestConfig(url=url, concurrency=2, turns=2, max_tokens=3))
+    requests = doc["summary"]["requests"]
+    assert requests["completed"] == 2 and requests["errors_by_status"] == {"truncated": 2}
 
 
 def test_missing_usage_is_tolerated(fake_server: tuple[str, FakeBehaviour]) -> None:
