@@ -52,7 +52,9 @@ class SoakConfig:
     disconnect_probability: float = 0.2
     request_timeout_s: float = 60.0
     max_tokens: tuple[int, int] = (8, 64)
-    max_conversation_tokens: int = 560
+    # Restart a conversation past this many tokens: the next turn (<= ~60 prompt tokens
+    # + max_tokens) must still fit max_model_len, so that no request is a 400.
+    max_conversation_tokens: int = 480
     num_kv_blocks: int = 48
     block_size: int = 16
     max_model_len: int = 640

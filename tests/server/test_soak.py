@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench.soak import SoakConfig, run_soak
+
+pytestmark = pytest.mark.slow
 
 
 def test_bounded_soak_loses_nothing_and_leaks_nothing(tiny_model_dir: Path):
