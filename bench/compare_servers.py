@@ -193,7 +193,7 @@ def loadtest(
         runs.write(json.dumps(record) + "\n")
 
 
-def warm_up(url: str, out: Path) -> None:
+def warm_up(url: str, out: Path, name: str) -> None:
     """One short request first: lazy initialisation must not count against a server."""
     subprocess.run(
         [
@@ -208,10 +208,12 @@ def warm_up(url: str, out: Path) -> None:
             "1",
             "--max-tokens",
             "4",
+            "--duration",
+            "180",
             "--json",
-            str(out / "warmup.json"),
+            str(out / f"warmup-{name}.json"),
             "--png",
-            str(out / "warmup.png"),
+            str(out / f"warmup-{name}.png"),
             "--no-progress",
         ],
         check=False,
@@ -231,7 +233,7 @@ def bench_server(spec: ServerSpec, args: argparse.Namespace, out: Path) -> None:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     try:
         wait_ready(process, url)
-        warm_up(url, out)
+        warm_up(url, out, spec.name)
         for concurrency in args.concurrency:
             loadtest(url, out, spec, args, concurrency)
     except RuntimeError as exc:
