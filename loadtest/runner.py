@@ -92,6 +92,12 @@ class RunContext:
             system_prompt=self.system_prompt,
         )
 
+    def _request_seed(self, conversation: Conversation) -> int:
+        """A sampling seed per (run seed, conversation, turn): sampled runs repeat on
+        servers that honour ``seed``."""
+        key = (self.config.seed * 1_000_003 + conversation.conversation_id) * 1_009
+        return (key + conversation.turns_done) % 2**31
+
     async def run_turn(self, conversation: Conversation) -> RequestRecord:
         """Send the conversation's next turn, stream the reply and append it."""
         messages = conversation.next_user_message()
@@ -101,6 +107,7 @@ class RunContext:
             max_tokens=self.config.max_tokens,
             temperature=self.config.temperature,
             ignore_eos=self.config.ignore_eos,
+            seed=self._request_seed(conversation) if self.config.temperature > 0 else None,
         )
         record = RequestRecord(conversation.conversation_id, conversation.turns_done, 0.0)
         self.records.append(record)

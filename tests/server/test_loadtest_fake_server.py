@@ -194,6 +194,7 @@ def test_each_turn_resends_the_whole_history(fake_server: tuple[str, FakeBehavio
     for body in state.bodies:
         assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
         assert body["model"] == "fake-model" and "ignore_eos" not in body
+        assert "seed" not in body  # greedy by default: nothing to seed
         first_user = body["messages"][1]["content"]
         by_conversation.setdefault(first_user, []).append(body["messages"])
     assert len(by_conversation) == 2
@@ -331,6 +332,10 @@ def test_cli_writes_json_and_png(
             "--max-tokens",
             "3",
             "--ignore-eos",
+            "--temperature",
+            "0.7",
+            "--seed",
+            "5",
             "--api-key",
             "secret-key",
             "--json",
@@ -346,6 +351,8 @@ def test_cli_writes_json_and_png(
     assert "api_key" not in doc["config"] and "secret-key" not in json_path.read_text()
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert all(body["ignore_eos"] is True for body in state.bodies)
+    seeds = [body["seed"] for body in state.bodies]
+    assert len(set(seeds)) == 4  # one per conversation and turn, repeatable from --seed
     assert set(state.auth_headers) == {"Bearer secret-key"}
     out = capsys.readouterr().out
     assert "out tok/s" in out and "ttft" in out
