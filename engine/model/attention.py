@@ -146,8 +146,7 @@ def paged_attention(
         parts.append(_decode_attention(layer, query[: meta.num_decodes], cache, meta, scale))
     for span in meta.prefills:
         parts.append(_prefill_attention(layer, query, key, value, cache, span, scale))
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-    return out
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
 def _decode_attention(
