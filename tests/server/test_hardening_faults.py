@@ -104,7 +104,7 @@ def add_all(
     expected: dict[str, list[int]] = {}
     params = SamplingParams(max_tokens=10, ignore_eos=True, n=n, seed=3)
     for gid, prompt in groups.items():
-        group = make_group(gid, prompt, params)
+        group = make_group(gid, prompt, params, arrival_time=time.monotonic())
         core.add_request(group)
         expected.update(expected_for(group, PrefixHashModel(), config))
     return expected
