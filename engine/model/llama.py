@@ -15,18 +15,24 @@ import torch.nn.functional as F
 
 from engine.model.attention import AttentionMetadata, paged_attention
 from engine.model.kv_cache import PagedKVCache
+from engine.model.quant_linear import DenseLinear, Linear
 from engine.model.spec import ModelSpec
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor  # [hidden, q_size]
+    qkv: Linear  # [q_size + 2 * kv_size, hidden], with the QKV bias when the model has one
+    o_proj: Linear  # [hidden, q_size]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear  # [hidden, intermediate]
+
+    @property
+    def nbytes(self) -> int:
+        norms = _tensor_bytes(self.input_norm) + _tensor_bytes(self.post_norm)
+        projections = (self.qkv, self.o_proj, self.gate_up, self.down)
+        return norms + sum(linear.nbytes for linear in projections)
 
 
 @dataclass
@@ -34,22 +40,22 @@ class LlamaWeights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     final_norm: torch.Tensor
-    lm_head: torch.Tensor  # the embedding itself when tied
+    lm_head: Linear  # a DenseLinear over the embedding tensor itself when tied
 
-    def tensors(self) -> list[torch.Tensor]:
-        out = [self.embed, self.final_norm]
-        if self.lm_head.data_ptr() != self.embed.data_ptr():
-            out.append(self.lm_head)
-        for layer in self.layers:
-            out += [layer.input_norm, layer.qkv, layer.o_proj, layer.post_norm, layer.gate_up]
-            out.append(layer.down)
-            if layer.qkv_bias is not None:
-                out.append(layer.qkv_bias)
-        return out
+    @property
+    def lm_head_tied(self) -> bool:
+        return isinstance(self.lm_head, DenseLinear) and self.lm_head.weight is self.embed
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        """Bytes of every stored parameter; a tied LM head is the embedding, counted once."""
+        total = _tensor_bytes(self.embed) + _tensor_bytes(self.final_norm)
+        total += sum(layer.nbytes for layer in self.layers)
+        return total if self.lm_head_tied else total + self.lm_head.nbytes
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 class RotaryEmbedding:
@@ -123,7 +129,7 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given final hidden rows."""
         normed = rms_norm(hidden, self.weights.final_norm, self.spec.rms_norm_eps)
-        return F.linear(normed, self.weights.lm_head).to(torch.float32)
+        return self.weights.lm_head(normed).to(torch.float32)
 
     def _attention(
         self,
@@ -137,7 +143,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         spec = self.spec
         tokens = x.shape[0]
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = layer.qkv(x)
         # Rotate query and key heads in one pass: they sit side by side in the QKV output.
         rope_width = spec.q_size + spec.kv_size
         rope_heads = spec.num_heads + spec.num_kv_heads
@@ -145,8 +151,8 @@ class LlamaModel:
         query, key = rotated.split([spec.num_heads, spec.num_kv_heads], dim=1)
         value = qkv[:, rope_width:].view(tokens, spec.num_kv_heads, spec.head_dim)
         attended = paged_attention(index, query, key, value, cache, meta, self.scale)
-        return F.linear(attended, layer.o_proj)
+        return layer.o_proj(attended)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down)
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        return layer.down(F.silu(gate) * up)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from engine.model.llama import LayerWeights, LlamaModel, LlamaWeights, RotaryEmbedding
+from engine.model.quant_linear import DenseLinear
 from engine.model.spec import ModelSpec, rope_inverse_frequencies, spec_from_hf_config
 
 logger = logging.getLogger(__name__)
@@ -136,12 +137,14 @@ def weights_from_state_dict(
         layers.append(
             LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=fuse(*(attn + f"{x}_proj.weight" for x in ("q", "k", "v"))),
-                qkv_bias=fuse(*bias_names) if bias_names[0] in state else None,
-                o_proj=take(attn + "o_proj.weight"),
+                qkv=DenseLinear(
+                    fuse(*(attn + f"{x}_proj.weight" for x in ("q", "k", "v"))),
+                    fuse(*bias_names) if bias_names[0] in state else None,
+                ),
+                o_proj=DenseLinear(take(attn + "o_proj.weight")),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=fuse(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                down=take(p + "mlp.down_proj.weight"),
+                gate_up=DenseLinear(fuse(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
+                down=DenseLinear(take(p + "mlp.down_proj.weight")),
             )
         )
     embed = take("model.embed_tokens.weight")
@@ -150,5 +153,5 @@ def weights_from_state_dict(
         embed=embed,
         layers=layers,
         final_norm=take("model.norm.weight"),
-        lm_head=embed if tied else take("lm_head.weight"),
+        lm_head=DenseLinear(embed if tied else take("lm_head.weight")),
     )
