@@ -11,6 +11,7 @@ the issue quotes for this machine (about 1,400 tok/s).
 
     .venv/bin/python bench/bench_engine.py                       # B = 1, 8, 32, 64
     .venv/bin/python bench/bench_engine.py --batches 1,8 --output-len 32 --hf-batches 1
+    .venv/bin/python bench/bench_engine.py --quantization none,int8 --skip-transformers
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def make_prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
     return ids.tolist()
 
 
-def run_kvserve(core, prompts: list[list[int]], output_len: int) -> Result:
+def run_kvserve(core, prompts: list[list[int]], output_len: int, label: str = "kvserve") -> Result:
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -75,7 +76,7 @@ def run_kvserve(core, prompts: list[list[int]], output_len: int) -> Result:
     assert produced == len(prompts) * output_len, produced
     decode_s = end - (prefill_done or end)
     decode_cpu = end_cpu - (prefill_cpu or end_cpu)
-    return Result("kvserve", len(prompts), end - start, decode_s, produced, decode_cpu)
+    return Result(label, len(prompts), end - start, decode_s, produced, decode_cpu)
 
 
 def run_transformers(model, prompts: list[list[int]], output_len: int) -> Result:
@@ -107,6 +108,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        help="comma-separated weight quantizations to run side by side, e.g. none,int8",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--skip-transformers", action="store_true")
     return parser.parse_args()
@@ -120,26 +126,33 @@ def main() -> None:
     hf_batches = [int(b) for b in (args.hf_batches or args.batches).split(",")]
     max_batch = max(batches)
     seq_len = args.prompt_len + args.output_len
-    built = build_engine(
-        EngineArgs(
-            dtype=args.dtype,
-            kv_cache_dtype=args.kv_cache_dtype,
-            max_model_len=seq_len + 16,
-            num_kv_blocks=max_batch * (-(-(seq_len + 16) // 16)) + 8,
-            max_num_seqs=max_batch,
-            max_num_batched_tokens=max(2048, args.prompt_len),
-            swap_space_gib=0,
+    engines = {}
+    for quantization in args.quantization.split(","):
+        label = "kvserve" if quantization == "none" else f"kvserve-{quantization}"
+        engines[label] = build_engine(
+            EngineArgs(
+                dtype=args.dtype,
+                kv_cache_dtype=args.kv_cache_dtype,
+                quantization=quantization,
+                max_model_len=seq_len + 16,
+                num_kv_blocks=max_batch * (-(-(seq_len + 16) // 16)) + 8,
+                max_num_seqs=max_batch,
+                max_num_batched_tokens=max(2048, args.prompt_len),
+                swap_space_gib=0,
+            )
         )
-    )
-    vocab = len(built.tokenizer)
-    print(f"torch threads {torch.get_num_threads()}, dtype {built.dtype}, KV {built.kv_shape}")
+    first = next(iter(engines.values()))
+    vocab = len(first.tokenizer)
+    print(f"torch threads {torch.get_num_threads()}, dtype {first.dtype}, KV {first.kv_shape}")
+    for label, built in engines.items():
+        print(f"{label}: weights {built.weight_bytes / 2**20:.1f} MiB")
     results: list[Result] = []
-    for batch in batches:
-        results.append(
-            run_kvserve(built.core, make_prompts(batch, args.prompt_len, vocab), args.output_len)
-        )
-        print(_row(results[-1]), flush=True)
-    del built
+    for batch in batches:  # engines alternate per batch, so machine load hits them alike
+        prompts = make_prompts(batch, args.prompt_len, vocab)
+        for label, built in engines.items():
+            results.append(run_kvserve(built.core, prompts, args.output_len, label))
+            print(_row(results[-1]), flush=True)
+    del engines, first
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM
 

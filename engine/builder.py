@@ -23,8 +23,10 @@ from engine.core import EngineCore
 from engine.kv import accounting
 from engine.kv.accounting import CapacityPlan, KVShape
 from engine.model.kv_cache import KVPool, KVPoolLayout
+from engine.model.llama import LlamaModel
 from engine.model.loader import ModelSource, load_model, load_tokenizer
 from engine.model.profile import measure_activation_peak
+from engine.model.quant_linear import check_quantization, quantize_weights
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 
@@ -122,8 +124,10 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     source = ModelSource.from_path(args.model if args.model else find_embedded_model())
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    check_quantization(args.quantization, device)  # before the slow load
     tokenizer = load_tokenizer(source)
     model = load_model(source, dtype, device, max_positions=_position_table_size(args))
+    model = LlamaModel(model.spec, quantize_weights(model.weights, args.quantization), model.rope)
     max_model_len = _max_model_len(args, model.spec.context_limit)
     kv_shape = model.spec.kv_shape(resolve_kv_dtype(args.kv_cache_dtype, dtype))
     weight_bytes = model.weights.nbytes
@@ -140,7 +144,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     _check_plan(plan)
     eos_ids = eos_token_ids(tokenizer, source)
     core = _wire(args, model, kv_shape, plan, device, max_model_len, eos_ids)
-    _log_startup(source, device, dtype, kv_shape, plan)
+    _log_startup(source, device, dtype, args.quantization, kv_shape, plan)
     return BuiltEngine(
         core=core,
         tokenizer=tokenizer,
@@ -246,16 +250,18 @@ def _log_startup(
     source: ModelSource,
     device: torch.device,
     dtype: torch.dtype,
+    quantization: str,
     kv_shape: KVShape,
     plan: CapacityPlan,
 ) -> None:
     fmt = accounting.format_bytes
     logger.info(
-        "model %s on %s in %s; weights %s",
+        "model %s on %s in %s; weights %s (quantization %s)",
         source.name,
         device,
         dtype_name(dtype),
         fmt(plan.weight_bytes),
+        quantization,
     )
     logger.info(
         "memory budget %s = weights %s + activation peak %s (measured) + KV budget %s",

@@ -100,3 +100,5 @@ class EngineArgs:
     max_queued_requests: int = 0
     max_queued_tokens: int = 0
     seed: int = 0
+    # Weight quantization of the projections and LM head: none | int8 (CPU only).
+    quantization: str = "none"

@@ -38,6 +38,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
     )
     model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    model.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "int8"],
+        help="weight quantization of the linear layers (int8: CPU only)",
+    )
     model.add_argument("--max-model-len", type=int, default=None)
     model.add_argument("--seed", type=int, default=0)
     cache = p.add_argument_group("KV cache")
@@ -92,6 +98,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         dtype=args.dtype,
         device=args.device,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         kv_cache_memory_gib=args.kv_cache_memory,
