@@ -107,6 +107,23 @@ def _transformers(args: argparse.Namespace, port: int) -> list[str]:
         "127.0.0.1",
         "--port",
         str(port),
+        *_transformers_cache_flags(args),
+    ]
+
+
+def _transformers_cache_flags(args: argparse.Namespace) -> list[str]:
+    """Without flags transformers sizes its paged cache from free memory; on CPU its
+    attention masks then span that whole cache. ``--transformers-cb-blocks`` sizes it
+    for the workload instead (not used for the figures in docs/BENCHMARKS.md)."""
+    if args.transformers_cb_blocks is None:
+        return []
+    return [
+        "--cb-block-size",
+        "32",
+        "--cb-num-blocks",
+        str(args.transformers_cb_blocks),
+        "--cb-max-batch-tokens",
+        "512",
     ]
 
 
@@ -273,6 +290,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--llamacpp-python", default="/tmp/llamacpp-venv/bin/python")
     parser.add_argument("--llamacpp-n-ctx", type=int, default=8192)
+    parser.add_argument(
+        "--transformers-cb-blocks",
+        type=int,
+        default=None,
+        help="32-token blocks of transformers' paged cache (default: its own sizing)",
+    )
     parser.add_argument(
         "--hf-dir",
         default="/tmp/smollm2-hf",
