@@ -42,6 +42,12 @@ class ModelFacts:
     intermediate_size: int
     vocab_size: int
     context_len: int
+    # For --quantization int8: weights of the linear layers (projections and LM head, the
+    # head counted even when tied: int8 gives it its own copy), their output channels (one
+    # scale + zero point each), and the head weights shared with the embedding.
+    linear_parameters: int = 0
+    linear_out_channels: int = 0
+    tied_head_parameters: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,7 @@ class PlanReport:
     fits: bool
     max_concurrency_at_avg_len: int
     max_concurrency_at_max_len: int
+    quantization: str = "none"
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -108,6 +115,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto = the serving dtype")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_BYTES])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument(
+        "--quantization", default="none", choices=["none", "int8"], help="as serve (int8: CPU)"
+    )
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument(
         "--memory", type=float, default=None, help="device memory, GiB (on CUDA, x utilization)"
@@ -146,7 +156,8 @@ def build_report(args: argparse.Namespace) -> PlanReport:
     shape = KVShape(facts.num_layers, facts.num_kv_heads, facts.head_dim, kv_dtype)
     max_len = args.max_model_len or min(facts.context_len, DEFAULT_CONTEXT_CAP)
     avg_len = min(args.avg_len or max_len, max_len)
-    weight_bytes = facts.num_parameters * DTYPE_BYTES[dtype]
+    _check_quantization(args.quantization, device)
+    weight_bytes = weight_bytes_for(facts, dtype, args.quantization)
     activation = _activation_reserve(args, facts, dtype)
     if args.memory is not None:  # as serve: on CUDA only a fraction of the device is used
         share = args.gpu_memory_utilization if device == "cuda" else 1.0
@@ -180,6 +191,8 @@ def _assemble(
     note = f"{dtype} at serving time"
     if facts.is_gguf:
         note = f"GGUF tensors dequantised to {dtype} at load"
+    if args.quantization == "int8":
+        note += "; linear layers and LM head int8 with per-channel scales"
     return PlanReport(
         model=facts.name,
         config_source=facts.source,
@@ -212,6 +225,7 @@ def _assemble(
         fits=plan.fits_one_max_len_sequence and demand_blocks <= plan.num_blocks,
         max_concurrency_at_avg_len=plan.max_seqs_at_avg_len,
         max_concurrency_at_max_len=plan.max_seqs_at_max_len,
+        quantization=args.quantization,
     )
 
 
@@ -239,11 +253,13 @@ def read_model_facts(model: str | None) -> ModelFacts:
         raise ValueError(f"{path} is neither a .gguf file nor a directory with config.json")
     text = getattr(config, "text_config", None) or config
     heads = text.num_attention_heads
+    skeleton = _meta_model(config)
+    linear_parameters, linear_channels, tied_head = _linear_weights(skeleton)
     return ModelFacts(
         name=name,
         source=source,
         is_gguf=gguf is not None,
-        num_parameters=count_parameters(config),
+        num_parameters=sum(parameter.numel() for parameter in skeleton.parameters()),
         num_layers=text.num_hidden_layers,
         num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
@@ -251,18 +267,50 @@ def read_model_facts(model: str | None) -> ModelFacts:
         intermediate_size=getattr(text, "intermediate_size", 4 * text.hidden_size),
         vocab_size=text.vocab_size,
         context_len=getattr(text, "max_position_embeddings", DEFAULT_CONTEXT_CAP),
+        linear_parameters=linear_parameters,
+        linear_out_channels=linear_channels,
+        tied_head_parameters=tied_head,
     )
 
 
 def count_parameters(config: Any) -> int:
     """Exact parameter count: build the architecture on the meta device (no memory, no
     weights read), so tied embeddings and biases are counted as the model has them."""
+    return sum(parameter.numel() for parameter in _meta_model(config).parameters())
+
+
+def _meta_model(config: Any) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(parameter.numel() for parameter in model.parameters())
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _linear_weights(model: Any) -> tuple[int, int, int]:
+    """(weights, output channels) of every nn.Linear, and the LM head weights it shares
+    with the input embedding (0 when untied)."""
+    import torch
+
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    parameters = sum(m.weight.numel() for m in linears)
+    channels = sum(m.out_features for m in linears)
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    return parameters, channels, head.weight.numel() if tied else 0
+
+
+def weight_bytes_for(facts: ModelFacts, dtype: str, quantization: str) -> int:
+    """Weight bytes as the server counts them: every parameter in ``dtype``; with int8, the
+    linear weights at one byte plus a float32 scale and an int32 zero point per output
+    channel, biases and the rest (embedding, norms) still in ``dtype``."""
+    if quantization == "none":
+        return facts.num_parameters * DTYPE_BYTES[dtype]
+    from engine.model.quant_linear import INT8_CHANNEL_OVERHEAD_BYTES
+
+    dense = facts.num_parameters - facts.linear_parameters + facts.tied_head_parameters
+    channels = facts.linear_out_channels * INT8_CHANNEL_OVERHEAD_BYTES
+    return dense * DTYPE_BYTES[dtype] + facts.linear_parameters + channels
 
 
 def find_embedded_gguf() -> Path:
@@ -301,6 +349,14 @@ def _activation_reserve(args: argparse.Namespace, facts: ModelFacts, dtype: str)
     per_token = facts.vocab_size * FLOAT32_BYTES
     per_token += (3 * facts.intermediate_size + 4 * facts.hidden_size) * DTYPE_BYTES[dtype]
     return tokens * per_token
+
+
+def _check_quantization(quantization: str, device: str) -> None:
+    if quantization == "int8" and device != "cpu":
+        raise ValueError(
+            f"--quantization int8 runs on the CPU only (fbgemm kernels), not on {device}; "
+            "use --quantization none (or --device cpu)"
+        )
 
 
 def _resolve_device(device: str) -> str:
@@ -346,7 +402,7 @@ def format_report(report: PlanReport) -> str:
     lines = [
         f"kvserve plan for {report.model} ({report.config_source})",
         f"  device / dtype      {report.device}, weights {report.dtype}, "
-        f"KV cache {report.kv_cache_dtype}",
+        f"KV cache {report.kv_cache_dtype}, quantization {report.quantization}",
         f"  attention           {report.num_layers} layers x {report.num_kv_heads} KV heads "
         f"x {report.head_dim} dims",
         f"  bytes per token     {report.bytes_per_token:,} B  "

@@ -3,6 +3,8 @@ weight bytes exactly as packed, and the engine end to end on int8 weights."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,7 @@ from engine.model.quant_linear import (
     check_quantization,
     quantize_weights,
 )
+from server.plan import add_plan_parser, build_report
 from tests.model.engine_helpers import greedy, make_core, run_all
 from tests.model.paged import BlockTables, make_cache, run_step
 
@@ -177,3 +180,28 @@ def test_int8_greedy_is_deterministic_for_a_fixed_batch(tiny_llama_factory):
         for _ in range(2)
     ]
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_plan_weight_bytes_agree_with_the_server(tiny_model_dir, quantization):
+    """`kvserve plan --quantization` counts weights from the config alone exactly as the
+    loaded engine does (the tiny model's head is tied: int8 gives it its own copy)."""
+    flags = ["--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32"]
+    report = build_report(parse_plan(*flags, "--quantization", quantization))
+    args = EngineArgs(
+        model=str(tiny_model_dir), device="cpu", dtype="float32", quantization=quantization
+    )
+    assert report.weight_bytes == build_engine(args).weight_bytes
+    assert report.quantization == quantization
+
+
+def test_plan_refuses_int8_on_cuda(tiny_model_dir):
+    args = parse_plan("--model", str(tiny_model_dir), "--device", "cuda", "--quantization", "int8")
+    with pytest.raises(ValueError, match="--quantization int8 runs on the CPU only"):
+        build_report(args)
+
+
+def parse_plan(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvserve")
+    add_plan_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["plan", *argv])
