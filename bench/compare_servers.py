@@ -133,7 +133,8 @@ SERVERS: dict[str, ServerSpec] = {
         ServerSpec("kvserve", _kvserve(())),
         # ~4k tokens of KV: about 6 of 32 four-turn conversations fit at once.
         ServerSpec(
-            "kvserve-small-kv", _kvserve(("--num-kv-blocks", "256", "--swap-space", "0.25"))
+            "kvserve-small-kv",
+            _kvserve(("--num-kv-blocks", "256", "--max-model-len", "2048", "--swap-space", "0.25")),
         ),
         ServerSpec("llamacpp", _llamacpp),
         ServerSpec("transformers", _transformers, accepts_ignore_eos=False),
