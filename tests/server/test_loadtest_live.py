@@ -24,8 +24,6 @@ import pytest
 from loadtest.__main__ import main
 
 pytestmark = pytest.mark.slow
-# `kvserve serve` needs the engine builder; this guard is inert once it is installed.
-pytest.importorskip("engine.builder", reason="engine/builder.py has not landed yet")
 
 STARTUP_TIMEOUT_S = 180.0
 
