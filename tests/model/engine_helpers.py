@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from engine.config import CacheConfig, SchedulerConfig
+from engine.builder import build_engine
+from engine.config import CacheConfig, EngineArgs, SchedulerConfig
 from engine.core import EngineCore
 from engine.kv.accounting import KVShape
 from engine.model.kv_cache import KVPool, KVPoolLayout
@@ -67,3 +68,38 @@ def reference_greedy(reference: Any, prompt: list[int], max_tokens: int) -> list
             logits = reference(torch.tensor([ids])).logits[0, -1]
             ids.append(int(logits.argmax()))
     return ids[len(prompt) :]
+
+
+SMOLLM_QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+def smollm_chat_prompt(tokenizer: Any) -> list[int]:
+    """The token ids of SMOLLM_QUESTION in SmolLM2's chat template."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": SMOLLM_QUESTION}], add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def smollm_greedy_answer(
+    gguf: str, prompt: list[int], max_tokens: int, quantization: str = "none"
+) -> list[int]:
+    """Greedy answer of the real SmolLM2 through build_engine (float32, EOS stops it)."""
+    built = build_engine(
+        EngineArgs(
+            model=gguf,
+            dtype="float32",
+            quantization=quantization,
+            kv_cache_memory_gib=0.05,
+            max_model_len=512,
+            max_num_batched_tokens=512,
+            swap_space_gib=0,
+        )
+    )
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    built.core.add_request([Request("chat", prompt, params, eos_token_ids=built.eos_token_ids)])
+    tokens: list[int] = []
+    while built.core.has_unfinished():
+        for delta in built.core.step():
+            tokens += delta.new_token_ids
+    return tokens

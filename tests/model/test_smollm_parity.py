@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.builder import build_engine
-from engine.config import EngineArgs
-from engine.request import Request, SamplingParams
+from tests.model.engine_helpers import smollm_chat_prompt, smollm_greedy_answer
 
 pytestmark = pytest.mark.slow
 
@@ -17,30 +15,8 @@ MAX_TOKENS = 24
 def test_greedy_chat_answer_matches_transformers(smollm_gguf, smollm_tokenizer):
     from transformers import AutoModelForCausalLM
 
-    text = smollm_tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    prompt = smollm_tokenizer.encode(text, add_special_tokens=False)
-
-    built = build_engine(
-        EngineArgs(
-            model=str(smollm_gguf),
-            dtype="float32",
-            kv_cache_memory_gib=0.05,
-            max_model_len=512,
-            max_num_batched_tokens=512,
-            swap_space_gib=0,
-        )
-    )
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    built.core.add_request([Request("chat", prompt, params, eos_token_ids=built.eos_token_ids)])
-    ours: list[int] = []
-    while built.core.has_unfinished():
-        for delta in built.core.step():
-            ours += delta.new_token_ids
-    del built
+    prompt = smollm_chat_prompt(smollm_tokenizer)
+    ours = smollm_greedy_answer(str(smollm_gguf), prompt, MAX_TOKENS)
 
     reference = AutoModelForCausalLM.from_pretrained(
         smollm_gguf.parent, gguf_file=smollm_gguf.name, dtype=torch.float32

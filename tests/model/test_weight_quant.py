@@ -21,9 +21,14 @@ from engine.model.quant_linear import (
     check_quantization,
     quantize_weights,
 )
-from engine.request import Request, SamplingParams
 from server.plan import add_plan_parser, build_report
-from tests.model.engine_helpers import greedy, make_core, run_all
+from tests.model.engine_helpers import (
+    greedy,
+    make_core,
+    run_all,
+    smollm_chat_prompt,
+    smollm_greedy_answer,
+)
 from tests.model.paged import BlockTables, make_cache, run_step
 
 # Int8 vs fp32 logits on these tiny random models (weights x4, so activations are wide and
@@ -215,37 +220,11 @@ SMOLLM_MAX_TOKENS = 24
 AGREED_PREFIX = 24
 
 
-def smollm_greedy_answer(gguf: str, quantization: str, prompt: list[int]) -> list[int]:
-    built = build_engine(
-        EngineArgs(
-            model=gguf,
-            dtype="float32",
-            quantization=quantization,
-            kv_cache_memory_gib=0.05,
-            max_model_len=512,
-            max_num_batched_tokens=512,
-            swap_space_gib=0,
-        )
-    )
-    params = SamplingParams(max_tokens=SMOLLM_MAX_TOKENS, temperature=0.0)
-    built.core.add_request([Request("chat", prompt, params, eos_token_ids=built.eos_token_ids)])
-    tokens: list[int] = []
-    while built.core.has_unfinished():
-        for delta in built.core.step():
-            tokens += delta.new_token_ids
-    return tokens
-
-
 @pytest.mark.slow
 def test_smollm_int8_greedy_chat_answer_agrees_with_float32(smollm_gguf, smollm_tokenizer):
-    text = smollm_tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    prompt = smollm_tokenizer.encode(text, add_special_tokens=False)
-    exact = smollm_greedy_answer(str(smollm_gguf), "none", prompt)
-    approx = smollm_greedy_answer(str(smollm_gguf), "int8", prompt)
+    prompt = smollm_chat_prompt(smollm_tokenizer)
+    exact = smollm_greedy_answer(str(smollm_gguf), prompt, SMOLLM_MAX_TOKENS)
+    approx = smollm_greedy_answer(str(smollm_gguf), prompt, SMOLLM_MAX_TOKENS, "int8")
     texts = (smollm_tokenizer.decode(approx), smollm_tokenizer.decode(exact))
     prefix = min(AGREED_PREFIX, len(exact))
     assert approx[:prefix] == exact[:prefix], texts
