@@ -103,8 +103,7 @@ class ModelRunner:
 
 def _decodes_first(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
     """The attention metadata wants single-token continuations before prefill chunks."""
-    decodes = [r for r in scheduled if r.num_new_tokens == 1 and r.num_computed_tokens > 0]
-    if len(decodes) == len(scheduled):
-        return scheduled
-    others = [r for r in scheduled if not (r.num_new_tokens == 1 and r.num_computed_tokens > 0)]
-    return decodes + others
+    # A stable sort on one boolean key: decodes (key False) keep their order, then the rest.
+    return sorted(
+        scheduled, key=lambda r: not (r.num_new_tokens == 1 and r.num_computed_tokens > 0)
+    )
