@@ -22,6 +22,7 @@ from engine.config import CacheConfig, EngineArgs, SchedulerConfig
 from engine.core import EngineCore
 from engine.kv import accounting
 from engine.kv.accounting import CapacityPlan, KVShape
+from engine.model.kernels import select_kernels
 from engine.model.kv_cache import KVPool, KVPoolLayout
 from engine.model.llama import LlamaModel
 from engine.model.loader import ModelSource, load_model, load_tokenizer
@@ -127,7 +128,10 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     check_quantization(args.quantization, device)  # before the slow load
     tokenizer = load_tokenizer(source)
     model = load_model(source, dtype, device, max_positions=_position_table_size(args))
-    model = LlamaModel(model.spec, quantize_weights(model.weights, args.quantization), model.rope)
+    model = model.replace(
+        weights=quantize_weights(model.weights, args.quantization),
+        kernels=select_kernels(args.kernels, device, dtype),
+    )
     max_model_len = _max_model_len(args, model.spec.context_limit)
     kv_shape = model.spec.kv_shape(resolve_kv_dtype(args.kv_cache_dtype, dtype))
     weight_bytes = model.weights.nbytes
@@ -144,7 +148,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     _check_plan(plan)
     eos_ids = eos_token_ids(tokenizer, source)
     core = _wire(args, model, kv_shape, plan, device, max_model_len, eos_ids)
-    _log_startup(source, device, dtype, args.quantization, kv_shape, plan)
+    _log_startup(source, model, args.quantization, kv_shape, plan)
     return BuiltEngine(
         core=core,
         tokenizer=tokenizer,
@@ -248,20 +252,20 @@ def _wire(
 
 def _log_startup(
     source: ModelSource,
-    device: torch.device,
-    dtype: torch.dtype,
+    model: LlamaModel,
     quantization: str,
     kv_shape: KVShape,
     plan: CapacityPlan,
 ) -> None:
     fmt = accounting.format_bytes
     logger.info(
-        "model %s on %s in %s; weights %s (quantization %s)",
+        "model %s on %s in %s; weights %s (quantization %s); %s kernels",
         source.name,
-        device,
-        dtype_name(dtype),
+        model.device,
+        dtype_name(model.dtype),
         fmt(plan.weight_bytes),
         quantization,
+        model.kernels.name,
     )
     logger.info(
         "memory budget %s = weights %s + activation peak %s (measured) + KV budget %s",

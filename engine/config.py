@@ -102,3 +102,5 @@ class EngineArgs:
     seed: int = 0
     # Weight quantization of the projections and LM head: none | int8 (CPU only).
     quantization: str = "none"
+    # Norm / rotary / activation / attention kernels: auto | native (fused CPU ops) | torch.
+    kernels: str = "auto"

@@ -44,6 +44,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=["none", "int8"],
         help="weight quantization of the linear layers (int8: CPU only)",
     )
+    model.add_argument(
+        "--kernels",
+        default="auto",
+        choices=["auto", "native", "torch"],
+        help="norm/rotary/attention kernels: native = fused C++ CPU ops (auto: when they build)",
+    )
     model.add_argument("--max-model-len", type=int, default=None)
     model.add_argument("--seed", type=int, default=0)
     cache = p.add_argument_group("KV cache")
@@ -99,6 +105,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         device=args.device,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
+        kernels=args.kernels,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         kv_cache_memory_gib=args.kv_cache_memory,

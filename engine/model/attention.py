@@ -13,11 +13,16 @@ Everything here is built once per step and shared by all layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from engine.model.kv_cache import PagedKVCache
+from engine.model.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from engine.model.kernels import TorchKernels
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,8 @@ class AttentionMetadata:
     slots: torch.Tensor  # [tokens] flat cache slot of every new token
     positions: torch.Tensor  # [tokens]
     num_decodes: int  # rows [0, num_decodes) are single-token decodes
-    decode_block_ids: torch.Tensor | None  # [num_decodes * max_blocks]
+    decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks], padded
+    decode_context_lens: torch.Tensor | None  # [num_decodes] keys each decode attends
     decode_bias: torch.Tensor | None  # [num_decodes, 1, max_blocks * block_size] 0 / -inf
     prefills: list[PrefillSpan]
 
@@ -66,13 +72,14 @@ def build_metadata(
     num_decodes = 0
     while num_decodes < len(chunks) and _is_decode(chunks[num_decodes]):
         num_decodes += 1
-    decode_ids, decode_bias = _decode_tables(chunks[:num_decodes], block_size, dtype, device)
+    table, lengths, bias = _decode_tables(chunks[:num_decodes], block_size, dtype, device)
     return AttentionMetadata(
         slots=torch.tensor(slots, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         num_decodes=num_decodes,
-        decode_block_ids=decode_ids,
-        decode_bias=decode_bias,
+        decode_block_table=table,
+        decode_context_lens=lengths,
+        decode_bias=bias,
         prefills=_prefill_spans(chunks, num_decodes, block_size, device),
     )
 
@@ -83,21 +90,23 @@ def _is_decode(chunk: SequenceChunk) -> bool:
 
 def _decode_tables(
     decodes: list[SequenceChunk], block_size: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Padded block tables (pad = the row's first block) and an additive mask for padding."""
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Padded block tables (pad = the row's first block), context lengths, and an additive
+    mask that hides the padding from the torch kernel's batched matmul."""
     if not decodes:
-        return None, None
+        return None, None, None
     context = [c.num_computed + 1 for c in decodes]
     max_blocks = -(-max(context) // block_size)
     table: list[int] = []
     for chunk, ctx in zip(decodes, context, strict=True):
         used = chunk.block_ids[: -(-ctx // block_size)]
         table.extend(used + [used[0]] * (max_blocks - len(used)))
-    lengths = torch.tensor(context, device=device).unsqueeze(1)
+    lengths = torch.tensor(context, dtype=torch.long, device=device)
     key_positions = torch.arange(max_blocks * block_size, device=device).unsqueeze(0)
     bias = torch.zeros(len(decodes), max_blocks * block_size, dtype=dtype, device=device)
-    bias.masked_fill_(key_positions >= lengths, float("-inf"))
-    return torch.tensor(table, dtype=torch.long, device=device), bias.unsqueeze(1)
+    bias.masked_fill_(key_positions >= lengths.unsqueeze(1), float("-inf"))
+    block_table = torch.tensor(table, dtype=torch.long, device=device).view(len(decodes), -1)
+    return block_table, lengths, bias.unsqueeze(1)
 
 
 def _prefill_spans(
@@ -128,33 +137,43 @@ def _prefill_spans(
 
 def paged_attention(
     layer: int,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    qkv: torch.Tensor,
+    spec: ModelSpec,
     cache: PagedKVCache,
     meta: AttentionMetadata,
     scale: float,
+    kernels: TorchKernels,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend every row to its context.
 
-    ``query`` is ``[tokens, heads, head_dim]``; ``key``/``value`` are
-    ``[tokens, kv_heads, head_dim]``. Returns ``[tokens, heads * head_dim]``.
+    ``qkv`` is the rotated ``[tokens, q_size + 2 * kv_size]`` projection output.
+    Returns ``[tokens, heads * head_dim]``.
     """
-    cache.write(layer, key, value, meta.slots)
+    kernels.write_kv(cache, layer, qkv, meta.slots, spec)
     parts: list[torch.Tensor] = []
     if meta.num_decodes:
-        parts.append(_decode_attention(layer, query[: meta.num_decodes], cache, meta, scale))
-    for span in meta.prefills:
-        parts.append(_prefill_attention(layer, query, key, value, cache, span, scale))
+        decodes = qkv[: meta.num_decodes]
+        parts.append(kernels.decode_attention(cache, layer, decodes, meta, spec, scale))
+    if meta.prefills:
+        tokens = qkv.shape[0]
+        query = qkv[:, : spec.q_size].view(tokens, spec.num_heads, spec.head_dim)
+        kv = qkv[:, spec.q_size :].view(tokens, 2, spec.num_kv_heads, spec.head_dim)
+        key, value = kv[:, 0], kv[:, 1]
+        for span in meta.prefills:
+            parts.append(_prefill_attention(layer, query, key, value, cache, span, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
-def _decode_attention(
+def decode_attention_torch(
     layer: int, query: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    assert meta.decode_block_ids is not None and meta.decode_bias is not None
+    """Decode attention in torch: gather the padded block tables, then two batched matmuls.
+
+    ``query`` is ``[num_decodes, heads, head_dim]``; returns ``[num_decodes, heads * head_dim]``.
+    """
+    assert meta.decode_block_table is not None and meta.decode_bias is not None
     batch, heads, head_dim = query.shape
-    keys, values = cache.gather(layer, meta.decode_block_ids)
+    keys, values = cache.gather(layer, meta.decode_block_table.view(-1))
     kv_heads = keys.shape[0]
     group = heads // kv_heads
     # One flat batch of (kv head, request) pairs: [kv_heads * batch, group, head_dim] queries

@@ -103,6 +103,14 @@ class PagedKVCache:
         self.block_size = pool.layout.block_size
         self.quant_max = _QUANT_MAX.get(kv.kv_dtype)
 
+    @property
+    def is_quantized(self) -> bool:
+        return self.pool.key_scale is not None
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V blocks, ``[kv_heads, num_blocks, block_size, head_dim]`` each."""
+        return self.pool.key[layer], self.pool.value[layer]
+
     def write(
         self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
     ) -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.attention import AttentionMetadata, paged_attention
+from engine.model.kernels import TorchKernels
 from engine.model.kv_cache import PagedKVCache
 from engine.model.quant_linear import DenseLinear, Linear
 from engine.model.spec import ModelSpec
@@ -75,32 +76,32 @@ class RotaryEmbedding:
         self.cos = (angles.cos() * attention_scaling).to(dtype=dtype, device=device)
         self.sin = (angles.sin() * attention_scaling).to(dtype=dtype, device=device)
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for ``positions``, shaped ``[tokens, 1, head_dim]`` to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 (as the reference does), returned in x's dtype."""
-    x32 = x.to(torch.float32)
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
-
 
 class LlamaModel:
-    """The decoder: ``forward`` over a flattened mixed batch, ``logits`` for chosen rows."""
+    """The decoder: ``forward`` over a flattened mixed batch, ``logits`` for chosen rows.
 
-    def __init__(self, spec: ModelSpec, weights: LlamaWeights, rope: RotaryEmbedding):
+    ``kernels`` does the norms, rotary, activation and attention (engine/model/kernels.py);
+    the projections are the weights' own ``Linear`` objects.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: LlamaWeights,
+        rope: RotaryEmbedding,
+        kernels: TorchKernels | None = None,
+    ):
         self.spec = spec
         self.weights = weights
         self.rope = rope
+        self.kernels = kernels if kernels is not None else TorchKernels()
         self.scale = spec.head_dim**-0.5
+
+    def replace(
+        self, weights: LlamaWeights | None = None, kernels: TorchKernels | None = None
+    ) -> LlamaModel:
+        """The same model with other weights (e.g. quantized) or another kernel backend."""
+        return LlamaModel(self.spec, weights or self.weights, self.rope, kernels or self.kernels)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -114,21 +115,28 @@ class LlamaModel:
     def forward(
         self, token_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache
     ) -> torch.Tensor:
-        """Hidden states ``[tokens, hidden]`` after the last layer (before the final norm)."""
-        spec = self.spec
+        """Hidden states ``[tokens, hidden]`` after the last layer (before the final norm).
+
+        The residual stream is one tensor updated in place; ``add_rms_norm`` folds each
+        sublayer's output into it and normalises for the next sublayer in one call.
+        """
+        eps = self.spec.rms_norm_eps
+        kernels = self.kernels
+        layers = self.weights.layers
         residual = F.embedding(token_ids, self.weights.embed)
-        cos, sin = self.rope.tables(meta.positions)
-        for index, layer in enumerate(self.weights.layers):
-            normed = rms_norm(residual, layer.input_norm, spec.rms_norm_eps)
-            residual = residual + self._attention(index, layer, normed, cos, sin, meta, cache)
-            normed = rms_norm(residual, layer.post_norm, spec.rms_norm_eps)
-            residual = residual + self._mlp(layer, normed)
-        return residual
+        hidden = kernels.rms_norm(residual, layers[0].input_norm, eps)
+        for index, layer in enumerate(layers):
+            if index:
+                hidden = kernels.add_rms_norm(hidden, residual, layer.input_norm, eps)
+            hidden = self._attention(index, layer, hidden, meta, cache)
+            hidden = kernels.add_rms_norm(hidden, residual, layer.post_norm, eps)
+            hidden = layer.down(kernels.silu_and_mul(layer.gate_up(hidden)))
+        return residual.add_(hidden)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given final hidden rows."""
-        normed = rms_norm(hidden, self.weights.final_norm, self.spec.rms_norm_eps)
+        normed = self.kernels.rms_norm(hidden, self.weights.final_norm, self.spec.rms_norm_eps)
         return self.weights.lm_head(normed).to(torch.float32)
 
     def _attention(
@@ -136,23 +144,10 @@ class LlamaModel:
         index: int,
         layer: LayerWeights,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
         meta: AttentionMetadata,
         cache: PagedKVCache,
     ) -> torch.Tensor:
-        spec = self.spec
-        tokens = x.shape[0]
         qkv = layer.qkv(x)
-        # Rotate query and key heads in one pass: they sit side by side in the QKV output.
-        rope_width = spec.q_size + spec.kv_size
-        rope_heads = spec.num_heads + spec.num_kv_heads
-        rotated = apply_rotary(qkv[:, :rope_width].view(tokens, rope_heads, -1), cos, sin)
-        query, key = rotated.split([spec.num_heads, spec.num_kv_heads], dim=1)
-        value = qkv[:, rope_width:].view(tokens, spec.num_kv_heads, spec.head_dim)
-        attended = paged_attention(index, query, key, value, cache, meta, self.scale)
+        qkv = self.kernels.rotary(qkv, meta.positions, self.rope.cos, self.rope.sin, self.spec)
+        attended = paged_attention(index, qkv, self.spec, cache, meta, self.scale, self.kernels)
         return layer.o_proj(attended)
-
-    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = layer.gate_up(x).chunk(2, dim=-1)
-        return layer.down(F.silu(gate) * up)

@@ -1,4 +1,5 @@
-"""Greedy outputs through the real scheduler are token-identical to transformers."""
+"""Greedy outputs through the real scheduler are token-identical to transformers,
+with either kernel backend (the ``kernels`` fixture)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_llama_factory):
+def tiny(tiny_llama_factory, kernels):
     _, reference = tiny_llama_factory(num_heads=4, num_kv_heads=2, tie_embeddings=True)
     expected = {rid: reference_greedy(reference, p, MAX_TOKENS) for rid, p in PROMPTS.items()}
-    return model_from_reference(reference), expected
+    return model_from_reference(reference).replace(kernels=kernels), expected
 
 
 def params_for(prompts):

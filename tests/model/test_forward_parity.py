@@ -1,4 +1,5 @@
-"""Logits of kvserve's paged forward equal transformers' LlamaForCausalLM (fp32)."""
+"""Logits of kvserve's paged forward equal transformers' LlamaForCausalLM (fp32),
+with either kernel backend (the ``kernels`` fixture)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ def reference_logits(reference, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("block_size", [1, 5, 16])
-def test_prefill_logits_match_transformers(tiny_llama_factory, shape, block_size):
+def test_prefill_logits_match_transformers(tiny_llama_factory, kernels, shape, block_size):
     _, reference = tiny_llama_factory(**SHAPES[shape])
-    model = model_from_reference(reference)
+    model = model_from_reference(reference).replace(kernels=kernels)
     cache = make_cache(model, num_blocks=128, block_size=block_size)
     tables = BlockTables(128)
     prompts = [[3, 17, 99, 4, 5, 200, 7, 8, 9, 10, 11], [42, 43, 44]]
@@ -38,11 +39,13 @@ def test_prefill_logits_match_transformers(tiny_llama_factory, shape, block_size
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("block_size", [3, 16])
-def test_decode_and_chunked_prefill_through_paged_cache(tiny_llama_factory, shape, block_size):
+def test_decode_and_chunked_prefill_through_paged_cache(
+    tiny_llama_factory, kernels, shape, block_size
+):
     """Chunked prefill then batched decode steps; every step's logits match the reference
     run on the full sequence so far."""
     _, reference = tiny_llama_factory(**SHAPES[shape])
-    model = model_from_reference(reference)
+    model = model_from_reference(reference).replace(kernels=kernels)
     cache = make_cache(model, num_blocks=256, block_size=block_size)
     tables = BlockTables(256, seed=3)
     seqs = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [100, 101, 102, 103, 104], [1, 2]]
@@ -64,9 +67,9 @@ def test_decode_and_chunked_prefill_through_paged_cache(tiny_llama_factory, shap
         torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
 
 
-def test_mixed_decode_and_prefill_in_one_forward(tiny_llama_factory):
+def test_mixed_decode_and_prefill_in_one_forward(tiny_llama_factory, kernels):
     _, reference = tiny_llama_factory(num_heads=4, num_kv_heads=2)
-    model = model_from_reference(reference)
+    model = model_from_reference(reference).replace(kernels=kernels)
     cache = make_cache(model, num_blocks=64, block_size=4)
     tables = BlockTables(64, seed=7)
     first, second = [9, 8, 7, 6, 5, 4], [50, 60, 70, 80, 90, 91, 92]

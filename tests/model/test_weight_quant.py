@@ -43,7 +43,7 @@ PROMPTS = [[5, 9, 17, 33, 65, 129, 7, 3, 2, 1, 99, 100], [11, 12, 13, 14, 15, 16
 
 
 def int8_model(model: LlamaModel) -> LlamaModel:
-    return LlamaModel(model.spec, quantize_weights(model.weights, "int8"), model.rope)
+    return model.replace(weights=quantize_weights(model.weights, "int8"))
 
 
 def prefill_and_decode_logits(model: LlamaModel, steps: int = 8) -> torch.Tensor:

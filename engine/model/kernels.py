@@ -1,0 +1,213 @@
+"""The decoder's elementwise and attention kernels, behind one interface with two backends.
+
+``TorchKernels`` is plain PyTorch and runs anywhere (CPU, CUDA, any dtype, quantized KV
+caches). ``NativeKernels`` calls the fused CPU ops of csrc/cpu_ops.cpp: one call where the
+torch version dispatches five to fifteen ops, and decode attention that reads K/V straight
+from the block table instead of gathering a padded copy. It defers to the torch version
+for anything the fused ops do not cover (a quantized KV cache).
+
+Contracts shared by both (``qkv`` is the fused projection output, ``[tokens, q + 2 kv]``):
+
+- ``add_rms_norm(x, residual, w)`` adds ``x`` into ``residual`` in place and returns the
+  normalised sum; ``x`` may be overwritten.
+- ``rotary(qkv, ...)`` rotates the query and key heads in place and returns qkv.
+- ``write_kv`` stores every row's key/value heads at its slot; ``decode_attention``
+  attends rows ``[0, meta.num_decodes)`` to their cached context and returns
+  ``[num_decodes, heads * head_dim]``.
+
+``select_kernels`` picks a backend from the ``--kernels`` flag (auto | native | torch).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.attention import AttentionMetadata, decode_attention_torch
+from engine.model.kv_cache import PagedKVCache
+from engine.model.native import load_native_ops, native_ops_error
+from engine.model.spec import ModelSpec
+
+KERNEL_CHOICES: tuple[str, ...] = ("auto", "native", "torch")
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 (as the reference does), returned in x's dtype."""
+    x32 = x.to(torch.float32)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class TorchKernels:
+    """Portable kernels in eager PyTorch."""
+
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        residual.add_(x)
+        return rms_norm(residual, weight, eps)
+
+    def rotary(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        spec: ModelSpec,
+    ) -> torch.Tensor:
+        # Query and key heads sit side by side at the front of each row: one pass rotates both.
+        tokens = qkv.shape[0]
+        rope_width = spec.q_size + spec.kv_size
+        heads = qkv[:, :rope_width].view(tokens, spec.num_heads + spec.num_kv_heads, -1)
+        heads.copy_(apply_rotary(heads, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)))
+        return qkv
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def write_kv(
+        self,
+        cache: PagedKVCache,
+        layer: int,
+        qkv: torch.Tensor,
+        slots: torch.Tensor,
+        spec: ModelSpec,
+    ) -> None:
+        key, value = split_kv(qkv, spec)
+        cache.write(layer, key, value, slots)
+
+    def decode_attention(
+        self,
+        cache: PagedKVCache,
+        layer: int,
+        qkv: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: ModelSpec,
+        scale: float,
+    ) -> torch.Tensor:
+        query = qkv[:, : spec.q_size].reshape(-1, spec.num_heads, spec.head_dim)
+        return decode_attention_torch(layer, query, cache, meta, scale)
+
+
+class NativeKernels(TorchKernels):
+    """Fused CPU kernels (torch.ops.kvserve); see csrc/cpu_ops.cpp."""
+
+    name = "native"
+
+    def __init__(self) -> None:
+        if not load_native_ops():
+            raise RuntimeError(native_ops_error())
+        self.ops = torch.ops.kvserve
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self.ops.rms_norm(out, x, weight, eps)
+        return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        x = x.contiguous()
+        self.ops.add_rms_norm(x, residual, weight, eps)
+        return x
+
+    def rotary(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        spec: ModelSpec,
+    ) -> torch.Tensor:
+        qkv = qkv.contiguous()
+        rotated_heads = spec.num_heads + spec.num_kv_heads
+        self.ops.rotary_(qkv, positions, cos, sin, rotated_heads, spec.head_dim)
+        return qkv
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+        self.ops.silu_and_mul(out, x)
+        return out
+
+    def write_kv(
+        self,
+        cache: PagedKVCache,
+        layer: int,
+        qkv: torch.Tensor,
+        slots: torch.Tensor,
+        spec: ModelSpec,
+    ) -> None:
+        if cache.is_quantized:
+            super().write_kv(cache, layer, qkv, slots, spec)
+            return
+        key_cache, value_cache = cache.layer(layer)
+        self.ops.write_kv(
+            key_cache, value_cache, qkv, slots, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        )
+
+    def decode_attention(
+        self,
+        cache: PagedKVCache,
+        layer: int,
+        qkv: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: ModelSpec,
+        scale: float,
+    ) -> torch.Tensor:
+        if cache.is_quantized:
+            return super().decode_attention(cache, layer, qkv, meta, spec, scale)
+        assert meta.decode_block_table is not None and meta.decode_context_lens is not None
+        key_cache, value_cache = cache.layer(layer)
+        out = qkv.new_empty(meta.num_decodes, spec.q_size)
+        self.ops.paged_decode_attention(
+            out,
+            qkv,
+            key_cache,
+            value_cache,
+            meta.decode_block_table,
+            meta.decode_context_lens,
+            spec.num_heads,
+            spec.num_kv_heads,
+            scale,
+        )
+        return out
+
+
+def split_kv(qkv: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value heads of a qkv tensor as ``[tokens, kv_heads, head_dim]`` views."""
+    tokens = qkv.shape[0]
+    start = spec.q_size
+    key = qkv[:, start : start + spec.kv_size].view(tokens, spec.num_kv_heads, spec.head_dim)
+    value = qkv[:, start + spec.kv_size :].view(tokens, spec.num_kv_heads, spec.head_dim)
+    return key, value
+
+
+def select_kernels(choice: str, device: torch.device, dtype: torch.dtype) -> TorchKernels:
+    """The backend for ``--kernels``: auto uses the native ops on the CPU when they build."""
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"--kernels must be one of {list(KERNEL_CHOICES)}, not {choice!r}")
+    native_possible = device.type == "cpu" and dtype in _NATIVE_DTYPES
+    if choice == "torch" or (choice == "auto" and not native_possible):
+        return TorchKernels()
+    if not native_possible:
+        raise ValueError(
+            f"--kernels native runs on the CPU only, not on {device.type}; use --kernels auto"
+        )
+    if choice == "auto" and not load_native_ops():
+        return TorchKernels()
+    return NativeKernels()

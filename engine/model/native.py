@@ -1,0 +1,59 @@
+"""Builds and loads the fused CPU kernels in csrc/cpu_ops.cpp (``torch.ops.kvserve.*``).
+
+The extension is compiled once per machine with torch's JIT extension builder (g++ and
+ninja; about a minute here) and cached under ``TORCH_EXTENSIONS_DIR`` (by default
+``~/.cache/torch_extensions``); later loads take well under a second. The build targets the
+CPU features torch itself dispatches to (AVX2 / AVX-512), and the cache name carries that
+capability, so a cache copied to an older CPU is rebuilt rather than crashing.
+
+``load_native_ops`` returns whether the ops are usable; it never raises for a failed build
+(no compiler, no ninja): callers fall back to the torch kernels and say so.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_CAPABILITY_FLAGS: dict[str, list[str]] = {
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+}
+
+
+@functools.lru_cache(maxsize=1)
+def load_native_ops() -> bool:
+    """Build (first time) and load the extension; True when ``torch.ops.kvserve`` works."""
+    try:
+        _build_and_load()
+    except Exception as error:  # any build or load failure means "use the torch kernels"
+        logger.warning("fused CPU kernels unavailable, using torch kernels: %s", error)
+        return False
+    return True
+
+
+def native_ops_error() -> str | None:
+    """Why the kernels did not load (for error messages), or None when they did."""
+    if load_native_ops():
+        return None
+    return "the fused CPU kernels failed to build; see the warning above (needs g++ and ninja)"
+
+
+def _build_and_load() -> None:
+    from torch.utils import cpp_extension
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = ["-O3", "-fopenmp-simd", *_CAPABILITY_FLAGS.get(capability, [])]
+    cpp_extension.load(
+        name=f"kvserve_cpu_ops_{capability.lower()}",
+        sources=[str(SOURCE)],
+        extra_cflags=flags,
+        is_python_module=False,
+        verbose=False,
+    )

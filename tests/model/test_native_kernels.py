@@ -1,0 +1,162 @@
+"""The fused CPU kernels (csrc/cpu_ops.cpp) against the torch backend, op by op.
+
+Whole-model parity with transformers for both backends lives in test_forward_parity.py and
+test_engine_greedy.py; these tests pin each kernel down on its own, in float32 (tight) and
+bfloat16 (within bf16 rounding), including shapes the tiny models do not reach.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.attention import SequenceChunk, build_metadata
+from engine.model.kernels import NativeKernels, TorchKernels, select_kernels
+from engine.model.kv_cache import KVPool, KVPoolLayout, PagedKVCache
+from engine.model.spec import ModelSpec
+from tests.model.paged import BlockTables
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(scope="module")
+def native() -> NativeKernels:
+    return NativeKernels()
+
+
+def make_spec(num_heads: int, num_kv_heads: int, head_dim: int) -> ModelSpec:
+    return ModelSpec(
+        model_type="llama",
+        num_layers=2,
+        hidden_size=num_heads * head_dim,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=64,
+        vocab_size=100,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    tol = TOLERANCE[expected.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_norms_and_activation_match_torch(native, dtype, rows):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 96, dtype=dtype) * 3
+    weight = torch.rand(96, dtype=dtype) + 0.5
+    reference = TorchKernels()
+    close(native.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6))
+    gate_up = torch.randn(rows, 2 * 80, dtype=dtype) * 4
+    close(native.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
+
+    residual = torch.randn(rows, 96, dtype=dtype)
+    residual_ref = residual.clone()
+    normed = native.add_rms_norm(x.clone(), residual, weight, 1e-6)
+    normed_ref = reference.add_rms_norm(x.clone(), residual_ref, weight, 1e-6)
+    close(residual, residual_ref)
+    close(normed, normed_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_rotates_query_and_key_heads_only(native, dtype):
+    spec = make_spec(num_heads=6, num_kv_heads=2, head_dim=32)
+    tokens = 9
+    qkv = torch.randn(tokens, spec.q_size + 2 * spec.kv_size, dtype=dtype)
+    positions = torch.tensor([0, 1, 2, 50, 51, 300, 7, 1000, 4095])
+    angles = torch.outer(torch.arange(4096.0), 1.0 / 10000 ** (torch.arange(0, 32, 2) / 32))
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    expected = TorchKernels().rotary(qkv.clone(), positions, cos, sin, spec)
+    actual = native.rotary(qkv.clone(), positions, cos, sin, spec)
+    close(actual, expected)
+    values = slice(spec.q_size + spec.kv_size, None)
+    assert torch.equal(actual[:, values], qkv[:, values])  # values are never rotated
+
+
+def fill_cache(
+    kernels: TorchKernels,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    block_size: int,
+    contexts: list[int],
+) -> tuple[PagedKVCache, list[list[int]]]:
+    """A cache holding random K/V for every context, written through ``kernels.write_kv``
+    into scrambled (never contiguous) blocks."""
+    shape = spec.kv_shape({torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype])
+    pool = KVPool(KVPoolLayout(shape, 256, block_size), torch.device("cpu"))
+    cache = PagedKVCache(pool, dtype)
+    tables = BlockTables(256, seed=block_size)
+    blocks = [tables.allocate(ctx, block_size) for ctx in contexts]
+    generator = torch.Generator().manual_seed(len(contexts))
+    width = spec.q_size + 2 * spec.kv_size
+    for layer in range(spec.num_layers):
+        for ctx, ids in zip(contexts, blocks, strict=True):
+            qkv = torch.randn(ctx, width, generator=generator).to(dtype)
+            slots = [ids[p // block_size] * block_size + p % block_size for p in range(ctx)]
+            kernels.write_kv(cache, layer, qkv, torch.tensor(slots), spec)
+    return cache, blocks
+
+
+SHAPES = {"mha": (4, 4, 16), "gqa": (9, 3, 64), "mqa": (4, 1, 32)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_write_and_decode_attention_match_torch(native, dtype, shape, block_size):
+    spec = make_spec(*SHAPES[shape])
+    contexts = [2, 3, 17, 40, 129]  # attended lengths: the new token is the last one
+    torch_cache, blocks = fill_cache(TorchKernels(), spec, dtype, block_size, contexts)
+    native_cache, _ = fill_cache(native, spec, dtype, block_size, contexts)
+    for ours, theirs in zip(native_cache.pool.tensors(), torch_cache.pool.tensors(), strict=True):
+        assert torch.equal(ours, theirs)  # the write is a copy: bit-identical
+
+    chunks = [SequenceChunk(ctx - 1, 1, ids) for ctx, ids in zip(contexts, blocks, strict=True)]
+    meta = build_metadata(chunks, block_size, dtype, torch.device("cpu"))
+    qkv = torch.randn(len(contexts), spec.q_size + 2 * spec.kv_size).to(dtype)
+    for layer in range(spec.num_layers):
+        expected = TorchKernels().decode_attention(torch_cache, layer, qkv, meta, spec, 0.125)
+        actual = native.decode_attention(native_cache, layer, qkv, meta, spec, 0.125)
+        close(actual, expected)
+
+
+def test_quantized_cache_falls_back_to_torch_kernels(native):
+    spec = make_spec(4, 2, 16)
+    shape = spec.kv_shape("int8")
+    cache = PagedKVCache(KVPool(KVPoolLayout(shape, 8, 4), torch.device("cpu")), torch.float32)
+    qkv = torch.randn(3, spec.q_size + 2 * spec.kv_size)
+    native.write_kv(cache, 0, qkv, torch.tensor([0, 5, 9]), spec)
+    assert cache.pool.key_scale is not None and cache.pool.key_scale[0].abs().sum() > 0
+    meta = build_metadata([SequenceChunk(9, 1, [0, 1, 2])], 4, torch.float32, torch.device("cpu"))
+    out = native.decode_attention(cache, 0, qkv[2:], meta, spec, 0.25)
+    assert out.shape == (1, spec.q_size) and torch.isfinite(out).all()
+
+
+def test_bad_slot_or_block_is_an_error_not_a_crash(native):
+    spec = make_spec(4, 2, 16)
+    cache, _ = fill_cache(native, spec, torch.float32, 4, [5])
+    qkv = torch.randn(1, spec.q_size + 2 * spec.kv_size)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        native.write_kv(cache, 0, qkv, torch.tensor([256 * 4]), spec)
+    meta = build_metadata([SequenceChunk(4, 1, [999, 1])], 4, torch.float32, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        native.decode_attention(cache, 0, qkv, meta, spec, 0.25)
+
+
+def test_select_kernels():
+    cpu = torch.device("cpu")
+    assert select_kernels("torch", cpu, torch.float32).name == "torch"
+    assert select_kernels("native", cpu, torch.float32).name == "native"
+    assert select_kernels("auto", cpu, torch.float32).name == "native"
+    assert select_kernels("auto", torch.device("cuda"), torch.float16).name == "torch"
+    with pytest.raises(ValueError, match="--kernels native runs on the CPU only"):
+        select_kernels("native", torch.device("cuda"), torch.float16)
+    with pytest.raises(ValueError, match="--kernels must be one of"):
+        select_kernels("fast", cpu, torch.float32)
