@@ -49,11 +49,14 @@ def _build_and_load() -> None:
     from torch.utils import cpp_extension
 
     capability = torch.backends.cpu.get_cpu_capability()
-    flags = ["-O3", "-fopenmp-simd", *_CAPABILITY_FLAGS.get(capability, [])]
+    # -fopenmp matters: at::parallel_for is an inline OpenMP loop, serial without it. The
+    # extension then links libgomp.so.1, which resolves to the copy torch already loaded.
+    flags = ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(capability, [])]
     cpp_extension.load(
         name=f"kvserve_cpu_ops_{capability.lower()}",
         sources=[str(SOURCE)],
         extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=False,
     )
