@@ -128,9 +128,11 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     check_quantization(args.quantization, device)  # before the slow load
     tokenizer = load_tokenizer(source)
     model = load_model(source, dtype, device, max_positions=_position_table_size(args))
+    kernels = select_kernels(args.kernels, device, dtype)
+    rowwise = kernels.name == "native"  # the few-row int8 kernel is one of the native ops
     model = model.replace(
-        weights=quantize_weights(model.weights, args.quantization),
-        kernels=select_kernels(args.kernels, device, dtype),
+        weights=quantize_weights(model.weights, args.quantization, rowwise=rowwise),
+        kernels=kernels,
     )
     max_model_len = _max_model_len(args, model.spec.context_limit)
     kv_shape = model.spec.kv_shape(resolve_kv_dtype(args.kv_cache_dtype, dtype))

@@ -118,6 +118,12 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--quantization", default="none", choices=["none", "int8"], help="as serve (int8: CPU)"
     )
+    parser.add_argument(
+        "--kernels",
+        default="auto",
+        choices=["auto", "native", "torch"],
+        help="as serve; with int8, auto/native add the row-major copy for few-row decode steps",
+    )
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument(
         "--memory", type=float, default=None, help="device memory, GiB (on CUDA, x utilization)"
@@ -157,7 +163,10 @@ def build_report(args: argparse.Namespace) -> PlanReport:
     max_len = args.max_model_len or min(facts.context_len, DEFAULT_CONTEXT_CAP)
     avg_len = min(args.avg_len or max_len, max_len)
     _check_quantization(args.quantization, device)
-    weight_bytes = weight_bytes_for(facts, dtype, args.quantization)
+    # Planning never compiles anything: auto is assumed to get the native kernels, as it
+    # does wherever g++ is present (if not, the server holds fewer weight bytes than this).
+    rowwise = args.quantization == "int8" and args.kernels != "torch"
+    weight_bytes = weight_bytes_for(facts, dtype, args.quantization, rowwise=rowwise)
     activation = _activation_reserve(args, facts, dtype)
     if args.memory is not None:  # as serve: on CUDA only a fraction of the device is used
         share = args.gpu_memory_utilization if device == "cuda" else 1.0
@@ -193,6 +202,8 @@ def _assemble(
         note = f"GGUF tensors dequantised to {dtype} at load"
     if args.quantization == "int8":
         note += "; linear layers and LM head int8 with per-channel scales"
+        if args.kernels != "torch":
+            note += " (+ a row-major int8 copy for 1-4 row steps)"
     return PlanReport(
         model=facts.name,
         config_source=facts.source,
@@ -300,17 +311,23 @@ def _linear_weights(model: Any) -> tuple[int, int, int]:
     return parameters, channels, head.weight.numel() if tied else 0
 
 
-def weight_bytes_for(facts: ModelFacts, dtype: str, quantization: str) -> int:
+def weight_bytes_for(
+    facts: ModelFacts, dtype: str, quantization: str, rowwise: bool = False
+) -> int:
     """Weight bytes as the server counts them: every parameter in ``dtype``; with int8, the
     linear weights at one byte plus a float32 scale and an int32 zero point per output
-    channel, biases and the rest (embedding, norms) still in ``dtype``."""
+    channel, biases and the rest (embedding, norms) still in ``dtype``; ``rowwise`` adds the
+    native kernels' second copy (one byte per weight, a float32 scale per channel)."""
     if quantization == "none":
         return facts.num_parameters * DTYPE_BYTES[dtype]
-    from engine.model.quant_linear import INT8_CHANNEL_OVERHEAD_BYTES
+    from engine.model.quant_linear import INT8_CHANNEL_OVERHEAD_BYTES, ROWWISE_CHANNEL_BYTES
 
     dense = facts.num_parameters - facts.linear_parameters + facts.tied_head_parameters
     channels = facts.linear_out_channels * INT8_CHANNEL_OVERHEAD_BYTES
-    return dense * DTYPE_BYTES[dtype] + facts.linear_parameters + channels
+    total = dense * DTYPE_BYTES[dtype] + facts.linear_parameters + channels
+    if rowwise:
+        total += facts.linear_parameters + facts.linear_out_channels * ROWWISE_CHANNEL_BYTES
+    return total
 
 
 def find_embedded_gguf() -> Path:

@@ -13,6 +13,7 @@ import torch
 from engine.model.attention import SequenceChunk, build_metadata
 from engine.model.kernels import NativeKernels, TorchKernels, select_kernels
 from engine.model.kv_cache import KVPool, KVPoolLayout, PagedKVCache
+from engine.model.quant_linear import ROWWISE_CHANNEL_BYTES, ROWWISE_MAX_ROWS, Int8Linear
 from engine.model.spec import ModelSpec
 from tests.model.paged import BlockTables
 
@@ -160,3 +161,27 @@ def test_select_kernels():
         select_kernels("native", torch.device("cuda"), torch.float16)
     with pytest.raises(ValueError, match="--kernels must be one of"):
         select_kernels("fast", cpu, torch.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("in_features", [64, 100])  # 100: not a multiple of the 32-wide loop
+def test_int8_linear_matches_dequantized_weights(native, rows, in_features):
+    """The few-row int8 kernel computes x @ (int8 * scale).T exactly up to float rounding:
+    no activation quantization, unlike fbgemm's dynamic path."""
+    torch.manual_seed(rows)
+    weight = torch.randn(37, in_features)
+    linear = Int8Linear.from_dense(weight, rowwise=True)
+    assert linear.rowwise is not None
+    int8, scales = linear.rowwise
+    x = torch.randn(rows, in_features)
+    expected = x @ (int8.float() * scales[:, None]).T
+    out = torch.empty(rows, 37)
+    torch.ops.kvserve.int8_linear(out, x, int8, scales)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+    # Through the layer: few rows take this kernel, more rows fbgemm; both near the dense op.
+    dense = x @ weight.T
+    assert (linear(x) - dense).abs().max() < 0.05 * dense.abs().max()
+    if rows <= ROWWISE_MAX_ROWS:
+        torch.testing.assert_close(linear(x), expected, atol=1e-4, rtol=1e-5)
+    rowwise_bytes = int8.numel() + ROWWISE_CHANNEL_BYTES * 37
+    assert linear.nbytes == Int8Linear.from_dense(weight).nbytes + rowwise_bytes

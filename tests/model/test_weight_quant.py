@@ -189,14 +189,20 @@ def test_int8_greedy_is_deterministic_for_a_fixed_batch(tiny_llama_factory):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
 @pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_plan_weight_bytes_agree_with_the_server(tiny_model_dir, quantization):
+def test_plan_weight_bytes_agree_with_the_server(tiny_model_dir, quantization, kernels):
     """`kvserve plan --quantization` counts weights from the config alone exactly as the
-    loaded engine does (the tiny model's head is tied: int8 gives it its own copy)."""
+    loaded engine does (the tiny model's head is tied: int8 gives it its own copy; the
+    native kernels add a row-major int8 copy)."""
     flags = ["--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32"]
-    report = build_report(parse_plan(*flags, "--quantization", quantization))
+    report = build_report(parse_plan(*flags, "--quantization", quantization, "--kernels", kernels))
     args = EngineArgs(
-        model=str(tiny_model_dir), device="cpu", dtype="float32", quantization=quantization
+        model=str(tiny_model_dir),
+        device="cpu",
+        dtype="float32",
+        quantization=quantization,
+        kernels=kernels,
     )
     assert report.weight_bytes == build_engine(args).weight_bytes
     assert report.quantization == quantization
