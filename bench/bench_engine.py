@@ -9,14 +9,20 @@ Reported per engine and batch: wall time for the whole batch, output tokens per 
 the time after the last prefill), and that rate as a fraction of the bf16 compute ceiling
 the issue quotes for this machine (about 1,400 tok/s).
 
+With ``--repeats N`` every (engine, batch) runs N times, engines interleaved within each
+repeat so that machine noise hits them alike, and the table shows medians. kvserve
+variants are the cross product of ``--quantization`` and ``--kernels``.
+
     .venv/bin/python bench/bench_engine.py                       # B = 1, 8, 32, 64
     .venv/bin/python bench/bench_engine.py --batches 1,8 --output-len 32 --hf-batches 1
-    .venv/bin/python bench/bench_engine.py --quantization none,int8 --skip-transformers
+    .venv/bin/python bench/bench_engine.py --quantization none,int8 --kernels torch,native \
+        --repeats 3 --skip-transformers
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -113,6 +119,10 @@ def parse_args() -> argparse.Namespace:
         default="none",
         help="comma-separated weight quantizations to run side by side, e.g. none,int8",
     )
+    parser.add_argument(
+        "--kernels", default="auto", help="comma-separated kernel backends: auto,native,torch"
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="runs per (engine, batch)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--skip-transformers", action="store_true")
     return parser.parse_args()
@@ -128,30 +138,33 @@ def main() -> None:
     seq_len = args.prompt_len + args.output_len
     engines = {}
     for quantization in args.quantization.split(","):
-        label = "kvserve" if quantization == "none" else f"kvserve-{quantization}"
-        engines[label] = build_engine(
-            EngineArgs(
-                dtype=args.dtype,
-                kv_cache_dtype=args.kv_cache_dtype,
-                quantization=quantization,
-                max_model_len=seq_len + 16,
-                num_kv_blocks=max_batch * (-(-(seq_len + 16) // 16)) + 8,
-                max_num_seqs=max_batch,
-                max_num_batched_tokens=max(2048, args.prompt_len),
-                swap_space_gib=0,
+        for kernels in args.kernels.split(","):
+            label = _label(quantization, kernels)
+            engines[label] = build_engine(
+                EngineArgs(
+                    dtype=args.dtype,
+                    kv_cache_dtype=args.kv_cache_dtype,
+                    quantization=quantization,
+                    kernels=kernels,
+                    max_model_len=seq_len + 16,
+                    num_kv_blocks=max_batch * (-(-(seq_len + 16) // 16)) + 8,
+                    max_num_seqs=max_batch,
+                    max_num_batched_tokens=max(2048, args.prompt_len),
+                    swap_space_gib=0,
+                )
             )
-        )
     first = next(iter(engines.values()))
     vocab = len(first.tokenizer)
     print(f"torch threads {torch.get_num_threads()}, dtype {first.dtype}, KV {first.kv_shape}")
     for label, built in engines.items():
         print(f"{label}: weights {built.weight_bytes / 2**20:.1f} MiB")
     results: list[Result] = []
-    for batch in batches:  # engines alternate per batch, so machine load hits them alike
+    for batch in batches:  # engines alternate within each repeat: noise hits them alike
         prompts = make_prompts(batch, args.prompt_len, vocab)
-        for label, built in engines.items():
-            results.append(run_kvserve(built.core, prompts, args.output_len, label))
-            print(_row(results[-1]), flush=True)
+        for _ in range(args.repeats):
+            for label, built in engines.items():
+                results.append(run_kvserve(built.core, prompts, args.output_len, label))
+                print(_row(results[-1]), flush=True)
     del engines, first
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM
@@ -162,16 +175,40 @@ def main() -> None:
         ).eval()
         for batch in hf_batches:
             prompts = make_prompts(batch, args.prompt_len, vocab)
-            results.append(run_transformers(model, prompts, args.output_len))
-            print(_row(results[-1]), flush=True)
+            for _ in range(args.repeats):
+                results.append(run_transformers(model, prompts, args.output_len))
+                print(_row(results[-1]), flush=True)
     print()
+    print(f"medians of {args.repeats} run(s):")
     print(
         "| engine | batch | wall s | output tok/s | decode tok/s | decode / 1,400 ceiling "
         "| decode tok per CPU-s |"
     )
     print("|:--|--:|--:|--:|--:|--:|--:|")
+    for row in _median_rows(results):
+        print(row)
+
+
+def _label(quantization: str, kernels: str) -> str:
+    weights = "fp32" if quantization == "none" else quantization
+    return f"kvserve {weights} {kernels}"
+
+
+def _median_rows(results: list[Result]) -> list[str]:
+    groups: dict[tuple[str, int], list[Result]] = {}
     for result in results:
-        print(_row(result))
+        groups.setdefault((result.engine, result.batch), []).append(result)
+    rows = []
+    for (engine, batch), runs in groups.items():
+        wall = statistics.median(r.wall_s for r in runs)
+        out = statistics.median(r.tok_s for r in runs)
+        decode = statistics.median(r.decode_tok_s for r in runs)
+        cpu = statistics.median(r.decode_tok_cpu_s for r in runs)
+        rows.append(
+            f"| {engine} | {batch} | {wall:.1f} | {out:.1f} | {decode:.1f} | "
+            f"{decode / CEILING_TOK_S:.1%} | {cpu:.1f} |"
+        )
+    return rows
 
 
 def _row(r: Result) -> str:

@@ -1,7 +1,7 @@
 """The decoder's elementwise and attention kernels, behind one interface with two backends.
 
 ``TorchKernels`` is plain PyTorch and runs anywhere (CPU, CUDA, any dtype, quantized KV
-caches). ``NativeKernels`` calls the fused CPU ops of csrc/cpu_ops.cpp: one call where the
+caches). ``NativeKernels`` calls the fused CPU ops in csrc/ (built by native.py): one call where the
 torch version dispatches five to fifteen ops, and decode attention that reads K/V straight
 from the block table instead of gathering a padded copy. It defers to the torch version
 for anything the fused ops do not cover (a quantized KV cache).
@@ -103,7 +103,7 @@ class TorchKernels:
 
 
 class NativeKernels(TorchKernels):
-    """Fused CPU kernels (torch.ops.kvserve); see csrc/cpu_ops.cpp."""
+    """Fused CPU kernels (torch.ops.kvserve); see csrc/ops.h."""
 
     name = "native"
 

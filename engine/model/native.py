@@ -1,4 +1,4 @@
-"""Builds and loads the fused CPU kernels in csrc/cpu_ops.cpp (``torch.ops.kvserve.*``).
+"""Builds and loads the fused CPU kernels in csrc/ (``torch.ops.kvserve.*``).
 
 The extension is compiled once per machine with torch's JIT extension builder (g++ and
 ninja; about a minute here) and cached under ``TORCH_EXTENSIONS_DIR`` (by default
@@ -20,7 +20,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("elementwise.cpp", "paged_attention.cpp", "int8_linear.cpp", "register.cpp")
 _CAPABILITY_FLAGS: dict[str, list[str]] = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
@@ -54,7 +55,8 @@ def _build_and_load() -> None:
     flags = ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(capability, [])]
     cpp_extension.load(
         name=f"kvserve_cpu_ops_{capability.lower()}",
-        sources=[str(SOURCE)],
+        sources=[str(CSRC / name) for name in SOURCES],
+        extra_include_paths=[str(CSRC)],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
         is_python_module=False,

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (csrc/cpu_ops.cpp) against the torch backend, op by op.
+"""The fused CPU kernels (engine/model/csrc/) against the torch backend, op by op.
 
 Whole-model parity with transformers for both backends lives in test_forward_parity.py and
 test_engine_greedy.py; these tests pin each kernel down on its own, in float32 (tight) and

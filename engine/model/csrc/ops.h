@@ -1,0 +1,34 @@
+// The kvserve CPU ops, registered as torch.ops.kvserve.* in register.cpp.
+//
+// Layouts are the ones engine/model/kv_cache.py documents: one layer's cache is
+// [kv_heads, num_blocks, block_size, head_dim], contiguous; qkv rows are the fused
+// projection output, queries then keys then values. Numerics follow the torch backend in
+// engine/model/kernels.py: float32 accumulation, rounding to the tensor dtype at the same
+// points.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace kvserve {
+
+// elementwise.cpp
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+void rotary_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+             const at::Tensor& sin, int64_t num_rotated_heads, int64_t head_dim);
+void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+
+// paged_attention.cpp
+void write_kv(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& qkv,
+              const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads,
+              int64_t head_dim);
+void paged_decode_attention(at::Tensor& out, const at::Tensor& qkv, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, int64_t num_heads,
+                            int64_t num_kv_heads, double scale);
+
+// int8_linear.cpp
+void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                 const at::Tensor& scales);
+
+}  // namespace kvserve

@@ -1,0 +1,280 @@
+// The paged KV cache on the CPU: the write of each token's K/V into its slot, and decode
+// attention that reads K/V straight out of the block table (no gathered copy), one
+// (request, KV head) pair per task, the key and value rows loaded once for every query head
+// of the group.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "common.h"
+#include "ops.h"
+
+namespace kvserve {
+
+#ifdef KVSERVE_AVX2
+// scores[g * stride] = q[g] . k for the G query heads sharing one key row: the key is
+// loaded once per 8 lanes and the G dot products run as independent FMA chains.
+template <int G, typename cache_t>
+inline void dot_group(const float* q, const cache_t* k, int64_t head_dim, float* scores,
+                      int64_t stride) {
+  __m256 acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 8) {
+    const __m256 kv = load8(k + d);
+    for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + d), kv, acc[g]);
+  }
+  for (int g = 0; g < G; ++g) scores[g * stride] = hsum8(acc[g]);
+}
+
+// out[g] += p[g * stride] * v for the G query heads sharing one value row.
+template <int G, typename cache_t>
+inline void axpy_group(float* out, const float* p, int64_t stride, const cache_t* v,
+                       int64_t head_dim) {
+  __m256 weight[G];
+  for (int g = 0; g < G; ++g) weight[g] = _mm256_set1_ps(p[g * stride]);
+  for (int64_t d = 0; d < head_dim; d += 8) {
+    const __m256 vv = load8(v + d);
+    for (int g = 0; g < G; ++g) {
+      float* o = out + g * head_dim + d;
+      _mm256_storeu_ps(o, _mm256_fmadd_ps(weight[g], vv, _mm256_loadu_ps(o)));
+    }
+  }
+}
+#endif
+
+// Portable versions of the two inner loops, for any group size and head_dim.
+template <typename cache_t>
+inline void dot_group_any(int64_t group, const float* q, const cache_t* k, int64_t head_dim,
+                          float* scores, int64_t stride) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q + g * head_dim;
+    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(k[d]);
+    scores[g * stride] = dot;
+  }
+}
+
+template <typename cache_t>
+inline void axpy_group_any(int64_t group, float* out, const float* p, int64_t stride,
+                           const cache_t* v, int64_t head_dim) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float weight = p[g * stride];
+    float* o = out + g * head_dim;
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) o[d] += weight * static_cast<float>(v[d]);
+  }
+}
+
+// Dispatches a group size known at compile time to the AVX2 loops (G query heads per KV
+// head: 1 for MHA, 2-8 for the GQA models we serve), anything else to the portable ones.
+template <typename cache_t>
+struct GroupKernels {
+  void (*dot)(const float*, const cache_t*, int64_t, float*, int64_t) = nullptr;
+  void (*axpy)(float*, const float*, int64_t, const cache_t*, int64_t) = nullptr;
+};
+
+template <typename cache_t, int G>
+void pick_group(GroupKernels<cache_t>& k) {
+#ifdef KVSERVE_AVX2
+  k.dot = &dot_group<G, cache_t>;
+  k.axpy = &axpy_group<G, cache_t>;
+#endif
+}
+
+template <typename cache_t>
+GroupKernels<cache_t> group_kernels(int64_t group, int64_t head_dim) {
+  GroupKernels<cache_t> k;
+  if (head_dim % 8 != 0) return k;
+  switch (group) {
+    case 1: pick_group<cache_t, 1>(k); break;
+    case 2: pick_group<cache_t, 2>(k); break;
+    case 3: pick_group<cache_t, 3>(k); break;
+    case 4: pick_group<cache_t, 4>(k); break;
+    case 5: pick_group<cache_t, 5>(k); break;
+    case 6: pick_group<cache_t, 6>(k); break;
+    case 7: pick_group<cache_t, 7>(k); break;
+    case 8: pick_group<cache_t, 8>(k); break;
+    default: break;
+  }
+  return k;
+}
+
+// Calls f(cache_t{}) with the C++ type of a KV cache dtype: the cache may be stored in a
+// narrower type than the model computes in (e.g. a bfloat16 cache under float32 compute).
+template <typename F>
+void with_cache_type(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(at::BFloat16{}); break;
+    case at::kHalf: f(at::Half{}); break;
+    default: TORCH_CHECK(false, "unsupported KV cache dtype ", dtype);
+  }
+}
+
+// Copy every token's key and value heads from its QKV row into its flat cache slot.
+// key_cache / value_cache: one layer, [kv_heads, num_blocks, block_size, head_dim].
+void write_kv(
+    at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& qkv,
+    const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  check_cpu_contiguous(key_cache, "key_cache");
+  check_cpu_contiguous(value_cache, "value_cache");
+  check_cpu_contiguous(qkv, "qkv");
+  TORCH_CHECK(slots.scalar_type() == at::kLong, "slots must be int64");
+  const int64_t tokens = qkv.size(0);
+  const int64_t width = qkv.size(1);
+  const int64_t slots_per_head = key_cache.size(1) * key_cache.size(2);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots_per_head, "slot out of range");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "write_kv", [&] {
+    with_cache_type(key_cache.scalar_type(), [&](auto tag) {
+      using cache_t = decltype(tag);
+      const scalar_t* src = qkv.data_ptr<scalar_t>();
+      cache_t* kc = key_cache.data_ptr<cache_t>();
+      cache_t* vc = value_cache.data_ptr<cache_t>();
+      for (int64_t t = 0; t < tokens; ++t) {
+        const scalar_t* k = src + t * width + num_heads * head_dim;
+        const scalar_t* v = k + num_kv_heads * head_dim;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          const int64_t dst = (h * slots_per_head + slot[t]) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) {
+            kc[dst + d] = static_cast<cache_t>(static_cast<float>(k[h * head_dim + d]));
+            vc[dst + d] = static_cast<cache_t>(static_cast<float>(v[h * head_dim + d]));
+          }
+        }
+      }
+    });
+  });
+}
+
+// Ask for a block's cache lines before they are needed: blocks are scattered through the
+// pool, so the hardware prefetcher restarts at every block boundary.
+inline void prefetch_block(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 1);
+}
+
+// Scratch space one thread reuses across its (request, KV head) tasks.
+struct AttendScratch {
+  std::vector<float> query;   // [group, head_dim], pre-scaled
+  std::vector<float> scores;  // [group, context]
+  std::vector<float> out;     // [group, head_dim]
+};
+
+// One (request, KV head) pair of decode attention: the `group` query heads that share the
+// KV head attend to the first `context` cached tokens, read block by block. k_head/v_head
+// point at this KV head's [num_blocks, block_size, head_dim] slab.
+template <typename scalar_t, typename cache_t>
+void attend_one(
+    const scalar_t* query, const cache_t* k_head, const cache_t* v_head, const int64_t* blocks,
+    int64_t context, int64_t group, int64_t head_dim, int64_t block_size, float scale,
+    const GroupKernels<cache_t>& fast, AttendScratch& scratch) {
+  const int64_t block_elems = block_size * head_dim;
+  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(cache_t));
+  const int64_t used = (context + block_size - 1) / block_size;
+  scratch.query.resize(group * head_dim);
+  scratch.scores.resize(group * context);
+  scratch.out.assign(group * head_dim, 0.f);
+  float* q = scratch.query.data();
+  float* scores = scratch.scores.data();
+  float* out = scratch.out.data();
+  for (int64_t i = 0; i < group * head_dim; ++i) q[i] = static_cast<float>(query[i]) * scale;
+
+  for (int64_t i = 0; i < used; ++i) {
+    if (i + 1 < used) prefetch_block(k_head + blocks[i + 1] * block_elems, block_bytes);
+    const cache_t* kb = k_head + blocks[i] * block_elems;
+    const int64_t n = std::min(block_size, context - i * block_size);
+    for (int64_t j = 0; j < n; ++j) {
+      float* column = scores + i * block_size + j;
+      if (fast.dot) {
+        fast.dot(q, kb + j * head_dim, head_dim, column, context);
+      } else {
+        dot_group_any(group, q, kb + j * head_dim, head_dim, column, context);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * context;
+    const float peak = *std::max_element(row, row + context);
+    const float inv_sum = 1.f / exp_shifted_sum(row, context, peak);
+    for (int64_t t = 0; t < context; ++t) row[t] *= inv_sum;
+  }
+  for (int64_t i = 0; i < used; ++i) {
+    if (i + 1 < used) prefetch_block(v_head + blocks[i + 1] * block_elems, block_bytes);
+    const cache_t* vb = v_head + blocks[i] * block_elems;
+    const int64_t n = std::min(block_size, context - i * block_size);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* column = scores + i * block_size + j;
+      if (fast.axpy) {
+        fast.axpy(out, column, context, vb + j * head_dim, head_dim);
+      } else {
+        axpy_group_any(group, out, column, context, vb + j * head_dim, head_dim);
+      }
+    }
+  }
+}
+
+// Decode attention straight from the paged cache. Rows [0, batch) of qkv are single-token
+// decodes; request b attends to context_lens[b] tokens listed by block_tables[b].
+// Writes out[b, heads * head_dim].
+void paged_decode_attention(
+    at::Tensor& out, const at::Tensor& qkv, const at::Tensor& key_cache,
+    const at::Tensor& value_cache, const at::Tensor& block_tables,
+    const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double scale) {
+  check_cpu_contiguous(out, "out");
+  check_cpu_contiguous(qkv, "qkv");
+  check_cpu_contiguous(key_cache, "key_cache");
+  check_cpu_contiguous(value_cache, "value_cache");
+  check_cpu_contiguous(block_tables, "block_tables");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong, "block_tables must be int64");
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong, "context_lens must be int64");
+  const int64_t batch = block_tables.size(0);
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t num_blocks = key_cache.size(1);
+  const int64_t block_size = key_cache.size(2);
+  const int64_t head_dim = key_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t width = qkv.size(1);
+  const int64_t head_stride = num_blocks * block_size * head_dim;
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lens[b] > 0 && lens[b] <= max_blocks * block_size, "context length out of range");
+    for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; ++i) {
+      const int64_t block = tables[b * max_blocks + i];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range");
+    }
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "paged_decode", [&] {
+    with_cache_type(key_cache.scalar_type(), [&](auto tag) {
+      using cache_t = decltype(tag);
+      const scalar_t* q = qkv.data_ptr<scalar_t>();
+      const cache_t* kc = key_cache.data_ptr<cache_t>();
+      const cache_t* vc = value_cache.data_ptr<cache_t>();
+      scalar_t* op = out.data_ptr<scalar_t>();
+      const GroupKernels<cache_t> fast = group_kernels<cache_t>(group, head_dim);
+      at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+        AttendScratch scratch;
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t b = task / num_kv_heads;
+          const int64_t h = task % num_kv_heads;
+          attend_one(
+              q + b * width + h * group * head_dim, kc + h * head_stride, vc + h * head_stride,
+              tables + b * max_blocks, lens[b], group, head_dim, block_size,
+              static_cast<float>(scale), fast, scratch);
+          scalar_t* o = op + b * num_heads * head_dim + h * group * head_dim;
+          for (int64_t i = 0; i < group * head_dim; ++i) {
+            o[i] = static_cast<scalar_t>(scratch.out[i]);
+          }
+        }
+      });
+    });
+  });
+}
+
+}  // namespace kvserve

@@ -1,0 +1,32 @@
+// Registers the kvserve CPU ops with the dispatcher: torch.ops.kvserve.<name>.
+
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(kvserve, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def(
+      "rotary_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int num_rotated_heads, "
+      "int head_dim) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def(
+      "write_kv(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor qkv, Tensor slots, "
+      "int num_heads, int num_kv_heads, int head_dim) -> ()");
+  m.def(
+      "paged_decode_attention(Tensor(a!) out, Tensor qkv, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, float scale) "
+      "-> ()");
+  m.def("int8_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor scales) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("rms_norm", &kvserve::rms_norm);
+  m.impl("add_rms_norm", &kvserve::add_rms_norm);
+  m.impl("rotary_", &kvserve::rotary_);
+  m.impl("silu_and_mul", &kvserve::silu_and_mul);
+  m.impl("write_kv", &kvserve::write_kv);
+  m.impl("paged_decode_attention", &kvserve::paged_decode_attention);
+  m.impl("int8_linear", &kvserve::int8_linear);
+}
