@@ -11,9 +11,10 @@ holds the medians and the ratios to kvserve.
     python bench/compare_servers.py --servers kvserve --concurrency 1 8 32
     python bench/compare_servers.py --servers kvserve-small-kv --concurrency 32
 
-Servers: kvserve (defaults), kvserve-small-kv (a KV pool too small for 32 conversations,
-to show preemption and swap), llamacpp (needs llama-cpp-python[server] in the venv given
-by --llamacpp-python), transformers (`transformers serve --continuous-batching`).
+Servers: kvserve (defaults), kvserve-int8 (--quantization int8), kvserve-small-kv (a KV
+pool too small for 32 conversations, to show preemption and swap), llamacpp (needs
+llama-cpp-python[server] in the venv given by --llamacpp-python), transformers
+(`transformers serve --continuous-batching`).
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ SERVERS: dict[str, ServerSpec] = {
     spec.name: spec
     for spec in (
         ServerSpec("kvserve", _kvserve(())),
+        ServerSpec("kvserve-int8", _kvserve(("--quantization", "int8"))),
         # ~4k tokens of KV: about 6 of 32 four-turn conversations fit at once.
         ServerSpec(
             "kvserve-small-kv",
