@@ -1,10 +1,11 @@
 """The decoder's elementwise and attention kernels, behind one interface with two backends.
 
 ``TorchKernels`` is plain PyTorch and runs anywhere (CPU, CUDA, any dtype, quantized KV
-caches). ``NativeKernels`` calls the fused CPU ops in csrc/ (built by native.py): one call where the
-torch version dispatches five to fifteen ops, and decode attention that reads K/V straight
-from the block table instead of gathering a padded copy. It defers to the torch version
-for anything the fused ops do not cover (a quantized KV cache).
+caches). ``NativeKernels`` calls the fused CPU ops in csrc/ (built by native.py): one call
+where the torch version dispatches five to fifteen ops, and decode attention that reads
+K/V straight from the block table (int8 caches with their scales) instead of gathering a
+padded copy. It defers to the torch version for what the fused ops do not cover: writing
+a quantized KV cache (the torch write computes the scales) and reading an fp8 one.
 
 Contracts shared by both (``qkv`` is the fused projection output, ``[tokens, q + 2 kv]``):
 
@@ -30,6 +31,8 @@ from engine.model.spec import ModelSpec
 
 KERNEL_CHOICES: tuple[str, ...] = ("auto", "native", "torch")
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# KV storage the native attention reads directly (int8 with its per-token scales).
+_NATIVE_CACHE_DTYPES = (*_NATIVE_DTYPES, torch.int8)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -169,10 +172,10 @@ class NativeKernels(TorchKernels):
         spec: ModelSpec,
         scale: float,
     ) -> torch.Tensor:
-        if cache.is_quantized:
+        key_cache, value_cache = cache.layer(layer)
+        if key_cache.dtype not in _NATIVE_CACHE_DTYPES:  # fp8 (stored as uint8)
             return super().decode_attention(cache, layer, qkv, meta, spec, scale)
         assert meta.decode_block_table is not None and meta.decode_context_lens is not None
-        key_cache, value_cache = cache.layer(layer)
         out = qkv.new_empty(meta.num_decodes, spec.q_size)
         self.ops.paged_decode_attention(
             out,
@@ -184,6 +187,7 @@ class NativeKernels(TorchKernels):
             spec.num_heads,
             spec.num_kv_heads,
             scale,
+            *cache.layer_scales(layer),
         )
         return out
 

@@ -150,6 +150,13 @@ class PagedKVCache:
         """One layer's K and V blocks, ``[kv_heads, num_blocks, block_size, head_dim]`` each."""
         return self.pool.key[layer], self.pool.value[layer]
 
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A quantized cache's per-token K and V scales for one layer,
+        ``[kv_heads, num_blocks, block_size]`` each; (None, None) when unquantized."""
+        if self.pool.key_scale is None or self.pool.value_scale is None:
+            return None, None
+        return self.pool.key_scale[layer], self.pool.value_scale[layer]
+
     def write(
         self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
     ) -> None:

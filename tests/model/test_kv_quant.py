@@ -1,5 +1,5 @@
-"""Quantized KV caches (int8, fp8 with per-token-head scales): bounded logit error, and
-pool sizes exactly as engine/kv/accounting.py counts them."""
+"""Quantized KV caches (int8, fp8 with per-token-head scales): bounded logit error with
+either kernel backend, and pool sizes exactly as engine/kv/accounting.py counts them."""
 
 from __future__ import annotations
 
@@ -44,9 +44,9 @@ def decode_logits(model, kv_dtype: str, prompts, steps: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "bfloat16", "float16"])
-def test_quantized_cache_logit_error_is_bounded(tiny_llama_factory, kv_dtype):
+def test_quantized_cache_logit_error_is_bounded(tiny_llama_factory, kernels, kv_dtype):
     _, reference = tiny_llama_factory(num_heads=4, num_kv_heads=2)
-    model = model_from_reference(reference)
+    model = model_from_reference(reference).replace(kernels=kernels)
     prompts = [[5, 9, 17, 33, 65, 129, 7, 3, 2, 1, 99, 100], [11, 12, 13, 14, 15, 16]]
     exact = decode_logits(model, "float32", prompts, steps=8)
     approx = decode_logits(model, kv_dtype, prompts, steps=8)
@@ -59,11 +59,13 @@ def test_quantized_cache_logit_error_is_bounded(tiny_llama_factory, kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-def test_swap_and_recompute_preserve_quantized_blocks_and_scales(tiny_llama_factory, kv_dtype):
+def test_swap_and_recompute_preserve_quantized_blocks_and_scales(
+    tiny_llama_factory, kernels, kv_dtype
+):
     """Greedy tokens with a quantized cache are the same with and without preemption:
     swaps move values and scales together."""
     _, reference = tiny_llama_factory(num_heads=4, num_kv_heads=2)
-    model = model_from_reference(reference)
+    model = model_from_reference(reference).replace(kernels=kernels)
     prompts = {"a": [5, 9, 17, 33, 65, 129, 7, 3, 2, 1], "b": [42] * 15, "c": [8, 9, 10]}
     params = {rid: greedy(10) for rid in prompts}
     roomy = make_core(model, CacheConfig(num_device_blocks=64, block_size=2), kv_dtype=kv_dtype)

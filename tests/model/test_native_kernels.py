@@ -128,16 +128,29 @@ def test_write_and_decode_attention_match_torch(native, dtype, shape, block_size
         close(actual, expected)
 
 
-def test_quantized_cache_falls_back_to_torch_kernels(native):
-    spec = make_spec(4, 2, 16)
-    shape = spec.kv_shape("int8")
-    cache = PagedKVCache(KVPool(KVPoolLayout(shape, 8, 4), torch.device("cpu")), torch.float32)
-    qkv = torch.randn(3, spec.q_size + 2 * spec.kv_size)
-    native.write_kv(cache, 0, qkv, torch.tensor([0, 5, 9]), spec)
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantized_cache_decode_attention_matches_torch(native, kv_dtype):
+    """int8 caches are read natively (scores scaled by the key scale, softmax weights by the
+    value scale); fp8 ones defer to torch. Both backends write quantized caches alike."""
+    spec = make_spec(9, 3, 64)
+    shape = spec.kv_shape(kv_dtype)
+    block_size, contexts = 4, [2, 9, 31]
+    cache = PagedKVCache(
+        KVPool(KVPoolLayout(shape, 64, block_size), torch.device("cpu")), torch.float32
+    )
+    tables = BlockTables(64, seed=5)
+    blocks = [tables.allocate(ctx, block_size) for ctx in contexts]
+    width = spec.q_size + 2 * spec.kv_size
+    for ctx, ids in zip(contexts, blocks, strict=True):
+        slots = [ids[p // block_size] * block_size + p % block_size for p in range(ctx)]
+        native.write_kv(cache, 0, torch.randn(ctx, width) * 3, torch.tensor(slots), spec)
     assert cache.pool.key_scale is not None and cache.pool.key_scale[0].abs().sum() > 0
-    meta = build_metadata([SequenceChunk(9, 1, [0, 1, 2])], 4, torch.float32, torch.device("cpu"))
-    out = native.decode_attention(cache, 0, qkv[2:], meta, spec, 0.25)
-    assert out.shape == (1, spec.q_size) and torch.isfinite(out).all()
+    chunks = [SequenceChunk(ctx - 1, 1, ids) for ctx, ids in zip(contexts, blocks, strict=True)]
+    meta = build_metadata(chunks, block_size, torch.float32, torch.device("cpu"))
+    qkv = torch.randn(len(contexts), width)
+    expected = TorchKernels().decode_attention(cache, 0, qkv, meta, spec, 0.125)
+    actual = native.decode_attention(cache, 0, qkv, meta, spec, 0.125)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_bad_slot_or_block_is_an_error_not_a_crash(native):

@@ -60,7 +60,7 @@ inline float exp_shifted_sum(float* x, int64_t n, float shift) {
 }
 
 #ifdef KVSERVE_AVX2
-// Eight cache values widened to float32.
+// Eight cache values widened to float32 (an int8 cache's scale is applied by the caller).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -68,6 +68,10 @@ inline __m256 load8(const at::BFloat16* p) {
 }
 inline __m256 load8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const int8_t* p) {
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
 }
 
 inline float hsum8(__m256 v) {

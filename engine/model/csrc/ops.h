@@ -9,6 +9,8 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
+
 namespace kvserve {
 
 // elementwise.cpp
@@ -25,7 +27,9 @@ void write_kv(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& 
 void paged_decode_attention(at::Tensor& out, const at::Tensor& qkv, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, int64_t num_heads,
-                            int64_t num_kv_heads, double scale);
+                            int64_t num_kv_heads, double scale,
+                            const std::optional<at::Tensor>& key_scale,
+                            const std::optional<at::Tensor>& value_scale);
 
 // int8_linear.cpp
 void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,

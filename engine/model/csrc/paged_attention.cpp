@@ -111,6 +111,7 @@ void with_cache_type(at::ScalarType dtype, F&& f) {
     case at::kFloat: f(float{}); break;
     case at::kBFloat16: f(at::BFloat16{}); break;
     case at::kHalf: f(at::Half{}); break;
+    case at::kChar: f(int8_t{}); break;
     default: TORCH_CHECK(false, "unsupported KV cache dtype ", dtype);
   }
 }
@@ -124,6 +125,9 @@ void write_kv(
   check_cpu_contiguous(value_cache, "value_cache");
   check_cpu_contiguous(qkv, "qkv");
   TORCH_CHECK(slots.scalar_type() == at::kLong, "slots must be int64");
+  TORCH_CHECK(key_cache.scalar_type() != at::kChar,
+              "write_kv stores unquantized caches only (int8 caches are written by the torch "
+              "backend, which computes their scales)");
   const int64_t tokens = qkv.size(0);
   const int64_t width = qkv.size(1);
   const int64_t slots_per_head = key_cache.size(1) * key_cache.size(2);
@@ -169,11 +173,15 @@ struct AttendScratch {
 // One (request, KV head) pair of decode attention: the `group` query heads that share the
 // KV head attend to the first `context` cached tokens, read block by block. k_head/v_head
 // point at this KV head's [num_blocks, block_size, head_dim] slab.
+// For an int8 cache, k_scales/v_scales point at this head's [num_blocks, block_size]
+// float32 scales (one per token): the key scale multiplies the token's scores, the value
+// scale its softmax weights, so the int8 rows are only ever widened, never dequantized.
 template <typename scalar_t, typename cache_t>
 void attend_one(
-    const scalar_t* query, const cache_t* k_head, const cache_t* v_head, const int64_t* blocks,
-    int64_t context, int64_t group, int64_t head_dim, int64_t block_size, float scale,
-    const GroupKernels<cache_t>& fast, AttendScratch& scratch) {
+    const scalar_t* query, const cache_t* k_head, const cache_t* v_head, const float* k_scales,
+    const float* v_scales, const int64_t* blocks, int64_t context, int64_t group,
+    int64_t head_dim, int64_t block_size, float scale, const GroupKernels<cache_t>& fast,
+    AttendScratch& scratch) {
   const int64_t block_elems = block_size * head_dim;
   const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(cache_t));
   const int64_t used = (context + block_size - 1) / block_size;
@@ -196,6 +204,10 @@ void attend_one(
       } else {
         dot_group_any(group, q, kb + j * head_dim, head_dim, column, context);
       }
+      if (k_scales != nullptr) {
+        const float token_scale = k_scales[blocks[i] * block_size + j];
+        for (int64_t g = 0; g < group; ++g) column[g * context] *= token_scale;
+      }
     }
   }
   for (int64_t g = 0; g < group; ++g) {
@@ -209,7 +221,11 @@ void attend_one(
     const cache_t* vb = v_head + blocks[i] * block_elems;
     const int64_t n = std::min(block_size, context - i * block_size);
     for (int64_t j = 0; j < n; ++j) {
-      const float* column = scores + i * block_size + j;
+      float* column = scores + i * block_size + j;
+      if (v_scales != nullptr) {
+        const float token_scale = v_scales[blocks[i] * block_size + j];
+        for (int64_t g = 0; g < group; ++g) column[g * context] *= token_scale;
+      }
       if (fast.axpy) {
         fast.axpy(out, column, context, vb + j * head_dim, head_dim);
       } else {
@@ -225,7 +241,8 @@ void attend_one(
 void paged_decode_attention(
     at::Tensor& out, const at::Tensor& qkv, const at::Tensor& key_cache,
     const at::Tensor& value_cache, const at::Tensor& block_tables,
-    const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double scale) {
+    const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double scale,
+    const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale) {
   check_cpu_contiguous(out, "out");
   check_cpu_contiguous(qkv, "qkv");
   check_cpu_contiguous(key_cache, "key_cache");
@@ -241,6 +258,23 @@ void paged_decode_attention(
   const int64_t group = num_heads / num_kv_heads;
   const int64_t width = qkv.size(1);
   const int64_t head_stride = num_blocks * block_size * head_dim;
+  const bool quantized = key_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(quantized == (key_scale.has_value() && value_scale.has_value()),
+              "an int8 KV cache needs key_scale and value_scale, other caches none");
+  const float* k_scales = nullptr;
+  const float* v_scales = nullptr;
+  if (quantized) {
+    check_cpu_contiguous(*key_scale, "key_scale");
+    check_cpu_contiguous(*value_scale, "value_scale");
+    TORCH_CHECK(key_scale->scalar_type() == at::kFloat && value_scale->scalar_type() == at::kFloat,
+                "KV scales must be float32");
+    TORCH_CHECK(key_scale->numel() == num_kv_heads * num_blocks * block_size &&
+                    value_scale->numel() == key_scale->numel(),
+                "KV scales must be [kv_heads, num_blocks, block_size]");
+    k_scales = key_scale->data_ptr<float>();
+    v_scales = value_scale->data_ptr<float>();
+  }
+  const int64_t scale_stride = num_blocks * block_size;
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < batch; ++b) {
@@ -265,8 +299,9 @@ void paged_decode_attention(
           const int64_t h = task % num_kv_heads;
           attend_one(
               q + b * width + h * group * head_dim, kc + h * head_stride, vc + h * head_stride,
-              tables + b * max_blocks, lens[b], group, head_dim, block_size,
-              static_cast<float>(scale), fast, scratch);
+              quantized ? k_scales + h * scale_stride : nullptr,
+              quantized ? v_scales + h * scale_stride : nullptr, tables + b * max_blocks,
+              lens[b], group, head_dim, block_size, static_cast<float>(scale), fast, scratch);
           scalar_t* o = op + b * num_heads * head_dim + h * group * head_dim;
           for (int64_t i = 0; i < group * head_dim; ++i) {
             o[i] = static_cast<scalar_t>(scratch.out[i]);

@@ -16,8 +16,8 @@ TORCH_LIBRARY(kvserve, m) {
       "int num_heads, int num_kv_heads, int head_dim) -> ()");
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor qkv, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, float scale) "
-      "-> ()");
+      "Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, float scale, "
+      "Tensor? key_scale=None, Tensor? value_scale=None) -> ()");
   m.def("int8_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor scales) -> ()");
 }
 
