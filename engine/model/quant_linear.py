@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 
 QUANTIZATION_METHODS: tuple[str, ...] = ("none", "int8")
 # Calls with at most this many rows take the row-major int8 kernel when it is loaded: up to
-# here it is at least as fast as fbgemm (1.5x at one row) and exact in the activations.
+# here it is about as fast as fbgemm or faster, and exact in the activations; at 8 rows
+# it is half fbgemm's speed.
 ROWWISE_MAX_ROWS = 4
 # The row-major copy keeps one float32 scale per output channel beside its int8 weights.
 ROWWISE_CHANNEL_BYTES = 4
@@ -71,9 +72,10 @@ class Int8Linear:
     With ``rowwise`` (the native kernels are loaded) a second, row-major copy of the same
     int8 weights and their float32 scales serves calls of at most ``ROWWISE_MAX_ROWS``
     rows (decode steps of one to four sequences) through ``torch.ops.kvserve.int8_linear``:
-    activations stay float32 (no per-call activation quantization) and the weights stream
-    from memory at ~1.5x fbgemm's rate at one row. Larger batches use fbgemm's integer
-    GEMM, which is faster once the step is compute-bound.
+    activations stay float32 (no per-call activation quantization, so these rows are
+    exact up to float rounding) and the weights stream from memory at 1.0-1.4x fbgemm's
+    rate at one or two rows, about even at four (bench/bench_kernels.py). Larger batches
+    use fbgemm's integer GEMM, which is faster once the step is compute-bound.
     """
 
     __slots__ = ("bias", "in_features", "out_features", "packed", "rowwise")

@@ -1,0 +1,162 @@
+"""Kernel micro-benchmarks: the native CPU ops against their torch counterparts.
+
+Two measurements, each side by side in one process on SmolLM2-135M's shapes (9 query
+heads, 3 KV heads, head_dim 64, 30 layers, hidden 576, intermediate 1536):
+
+- decode attention per layer, native vs torch backend on the same paged cache, for each
+  KV cache dtype; block tables are a random permutation of the pool (as a long-running
+  server's are) and every call reads another layer, so the cache is cold as in a step;
+- a whole model's worth of int8 linear layers at 1-8 rows: fbgemm's dynamic-quantized
+  GEMM vs the row-major few-row kernel (``torch.ops.kvserve.int8_linear``).
+
+    .venv/bin/python bench/bench_kernels.py
+    .venv/bin/python bench/bench_kernels.py --batch 32 --context 400 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from engine.model.attention import AttentionMetadata, SequenceChunk, build_metadata
+from engine.model.kernels import NativeKernels, TorchKernels
+from engine.model.kv_cache import KVPool, KVPoolLayout, PagedKVCache
+from engine.model.quant_linear import Int8Linear
+from engine.model.spec import ModelSpec
+
+SMOLLM2 = ModelSpec(
+    model_type="llama",
+    num_layers=30,
+    hidden_size=576,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    vocab_size=49152,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+)
+
+
+def median_seconds(fn: Callable[[], None], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def filled_cache(kv_dtype: str, num_blocks: int, block_size: int) -> PagedKVCache:
+    layout = KVPoolLayout(SMOLLM2.kv_shape(kv_dtype), num_blocks, block_size)
+    pool = KVPool(layout, torch.device("cpu"))
+    if pool.key_scale is not None and pool.value_scale is not None:
+        pool.key.random_(-127, 128)
+        pool.value.random_(-127, 128)
+        pool.key_scale.uniform_(0, 0.02)
+        pool.value_scale.uniform_(0, 0.02)
+    else:
+        pool.key.normal_()
+        pool.value.normal_()
+    return PagedKVCache(pool, torch.float32)
+
+
+def bench_attention(args: argparse.Namespace) -> None:
+    spec = SMOLLM2
+    blocks_per_seq = -(-args.context // args.block_size)
+    num_blocks = max(4000, 2 * args.batch * blocks_per_seq)
+    order = torch.randperm(num_blocks).tolist()
+    chunks = [
+        SequenceChunk(args.context - 1, 1, order[i * blocks_per_seq : (i + 1) * blocks_per_seq])
+        for i in range(args.batch)
+    ]
+    meta = build_metadata(chunks, args.block_size, torch.float32, torch.device("cpu"))
+    qkv = torch.randn(args.batch, spec.q_size + 2 * spec.kv_size)
+    backends = {"native": NativeKernels(), "torch": TorchKernels()}
+    print(f"decode attention per layer, B={args.batch}, context {args.context}")
+    print("| KV cache dtype | native | torch | native speed-up |")
+    print("|---|---:|---:|---:|")
+    for kv_dtype in ("float32", "bfloat16", "int8"):
+        cache = filled_cache(kv_dtype, num_blocks, args.block_size)
+        per_layer = {
+            name: median_seconds(
+                partial(attend_all_layers, kernels, cache, qkv, meta), args.repeats
+            )
+            / spec.num_layers
+            for name, kernels in backends.items()
+        }
+        speedup = per_layer["torch"] / per_layer["native"]
+        print(
+            f"| {kv_dtype} | {per_layer['native'] * 1e6:,.0f} us | "
+            f"{per_layer['torch'] * 1e6:,.0f} us | {speedup:.1f}x |"
+        )
+
+
+def attend_all_layers(
+    kernels: TorchKernels, cache: PagedKVCache, qkv: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    spec = SMOLLM2
+    for layer in range(spec.num_layers):
+        kernels.decode_attention(cache, layer, qkv, meta, spec, spec.head_dim**-0.5)
+
+
+def fbgemm_all(layers: list[Int8Linear], inputs: dict[int, torch.Tensor]) -> None:
+    for layer in layers:
+        torch.ops.quantized.linear_dynamic(inputs[layer.in_features], layer.packed, True)
+
+
+def rowwise_all(layers: list[Int8Linear], inputs: dict[int, torch.Tensor]) -> None:
+    for layer in layers:
+        assert layer.rowwise is not None
+        x = inputs[layer.in_features]
+        out = torch.empty(x.shape[0], layer.out_features)
+        torch.ops.kvserve.int8_linear(out, x, *layer.rowwise)
+
+
+def bench_int8_linear(args: argparse.Namespace) -> None:
+    spec = SMOLLM2
+    shapes = [
+        (spec.q_size + 2 * spec.kv_size, spec.hidden_size),
+        (spec.hidden_size, spec.q_size),
+        (2 * spec.intermediate_size, spec.hidden_size),
+        (spec.hidden_size, spec.intermediate_size),
+    ] * spec.num_layers + [(spec.vocab_size, spec.hidden_size)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layers = [Int8Linear.from_dense(torch.randn(o, i), rowwise=True) for o, i in shapes]
+    weight_bytes = sum(o * i for o, i in shapes)
+    print(f"\nint8 linear layers of one decode step ({weight_bytes / 1e6:.0f} MB of weights)")
+    print("| rows | fbgemm | row-major kernel | speed-up |")
+    print("|---:|---:|---:|---:|")
+    for rows in (1, 2, 4, 8):
+        inputs = {i: torch.randn(rows, i) for _, i in shapes}
+        a = median_seconds(partial(fbgemm_all, layers, inputs), args.repeats)
+        b = median_seconds(partial(rowwise_all, layers, inputs), args.repeats)
+        print(
+            f"| {rows} | {a * 1e3:.1f} ms ({weight_bytes / a / 1e9:.1f} GB/s) | "
+            f"{b * 1e3:.1f} ms ({weight_bytes / b / 1e9:.1f} GB/s) | {a / b:.2f}x |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=400)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    print(f"torch threads {torch.get_num_threads()}")
+    bench_attention(args)
+    bench_int8_linear(args)
+
+
+if __name__ == "__main__":
+    main()
