@@ -1,10 +1,11 @@
 """Builds and loads the fused CPU kernels in csrc/ (``torch.ops.kvserve.*``).
 
 The extension is compiled once per machine with torch's JIT extension builder (g++ and
-ninja; about a minute here) and cached under ``TORCH_EXTENSIONS_DIR`` (by default
-``~/.cache/torch_extensions``); later loads take well under a second. The build targets the
-CPU features torch itself dispatches to (AVX2 / AVX-512), and the cache name carries that
-capability, so a cache copied to an older CPU is rebuilt rather than crashing.
+ninja; about 20 s on two cores, the four sources in parallel) and cached under
+``TORCH_EXTENSIONS_DIR`` (by default ``~/.cache/torch_extensions``); later loads take well
+under a second. The build targets the CPU features torch itself dispatches to (AVX2 /
+AVX-512), and the cache name carries that capability, so a cache copied to an older CPU is
+rebuilt rather than crashing.
 
 ``load_native_ops`` returns whether the ops are usable; it never raises for a failed build
 (no compiler, no ninja): callers fall back to the torch kernels and say so.
