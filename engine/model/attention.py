@@ -155,13 +155,21 @@ def paged_attention(
         decodes = qkv[: meta.num_decodes]
         parts.append(kernels.decode_attention(cache, layer, decodes, meta, spec, scale))
     if meta.prefills:
-        tokens = qkv.shape[0]
-        query = qkv[:, : spec.q_size].view(tokens, spec.num_heads, spec.head_dim)
-        kv = qkv[:, spec.q_size :].view(tokens, 2, spec.num_kv_heads, spec.head_dim)
-        key, value = kv[:, 0], kv[:, 1]
+        query, key, value = split_heads(qkv, spec)
         for span in meta.prefills:
             parts.append(_prefill_attention(layer, query, key, value, cache, span, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def split_heads(
+    qkv: torch.Tensor, spec: ModelSpec
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of a qkv tensor's query ``[tokens, heads, head_dim]`` and key and value
+    ``[tokens, kv_heads, head_dim]`` heads (queries, then keys, then values in each row)."""
+    tokens = qkv.shape[0]
+    query = qkv[:, : spec.q_size].view(tokens, spec.num_heads, spec.head_dim)
+    kv = qkv[:, spec.q_size :].view(tokens, 2, spec.num_kv_heads, spec.head_dim)
+    return query, kv[:, 0], kv[:, 1]
 
 
 def decode_attention_torch(

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention import AttentionMetadata, decode_attention_torch
+from engine.model.attention import AttentionMetadata, decode_attention_torch, split_heads
 from engine.model.kv_cache import PagedKVCache
 from engine.model.native import load_native_ops, native_ops_error
 from engine.model.spec import ModelSpec
@@ -89,7 +89,7 @@ class TorchKernels:
         slots: torch.Tensor,
         spec: ModelSpec,
     ) -> None:
-        key, value = split_kv(qkv, spec)
+        _, key, value = split_heads(qkv, spec)
         cache.write(layer, key, value, slots)
 
     def decode_attention(
@@ -101,7 +101,7 @@ class TorchKernels:
         spec: ModelSpec,
         scale: float,
     ) -> torch.Tensor:
-        query = qkv[:, : spec.q_size].reshape(-1, spec.num_heads, spec.head_dim)
+        query, _, _ = split_heads(qkv, spec)
         return decode_attention_torch(layer, query, cache, meta, scale)
 
 
@@ -190,15 +190,6 @@ class NativeKernels(TorchKernels):
             *cache.layer_scales(layer),
         )
         return out
-
-
-def split_kv(qkv: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key and value heads of a qkv tensor as ``[tokens, kv_heads, head_dim]`` views."""
-    tokens = qkv.shape[0]
-    start = spec.q_size
-    key = qkv[:, start : start + spec.kv_size].view(tokens, spec.num_kv_heads, spec.head_dim)
-    value = qkv[:, start + spec.kv_size :].view(tokens, spec.num_kv_heads, spec.head_dim)
-    return key, value
 
 
 def select_kernels(choice: str, device: torch.device, dtype: torch.dtype) -> TorchKernels:

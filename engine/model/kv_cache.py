@@ -13,7 +13,6 @@ beside the blocks, exactly as engine/kv/accounting.py counts them.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 from dataclasses import dataclass
 
@@ -67,7 +66,7 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     aligned_end = end // _HUGE_PAGE * _HUGE_PAGE
     if aligned_end <= aligned_start:
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc among them
     length = aligned_end - aligned_start
     return (
         libc.madvise(ctypes.c_void_p(aligned_start), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0

@@ -163,6 +163,30 @@ inline void prefetch_block(const void* start, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 1);
 }
 
+// Calls fn(row, t, slot) for the first `context` tokens of one KV head's slab, in order:
+// row points at token t's head_dim values, slot is its index within the slab (for per-token
+// scales). Walks block by block, asking for the next block's lines before they are needed.
+template <typename cache_t, typename F>
+inline void for_each_cached_token(const cache_t* head, const int64_t* blocks, int64_t context,
+                                  int64_t block_size, int64_t head_dim, F&& fn) {
+  const int64_t block_elems = block_size * head_dim;
+  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(cache_t));
+  const int64_t used = (context + block_size - 1) / block_size;
+  for (int64_t i = 0; i < used; ++i) {
+    if (i + 1 < used) prefetch_block(head + blocks[i + 1] * block_elems, block_bytes);
+    const cache_t* block = head + blocks[i] * block_elems;
+    const int64_t n = std::min(block_size, context - i * block_size);
+    for (int64_t j = 0; j < n; ++j) {
+      fn(block + j * head_dim, i * block_size + j, blocks[i] * block_size + j);
+    }
+  }
+}
+
+// Multiplies one token's entry in every query head's row of a [group, context] matrix.
+inline void scale_column(float* column, int64_t context, int64_t group, float factor) {
+  for (int64_t g = 0; g < group; ++g) column[g * context] *= factor;
+}
+
 // Scratch space one thread reuses across its (request, KV head) tasks.
 struct AttendScratch {
   std::vector<float> query;   // [group, head_dim], pre-scaled
@@ -182,9 +206,6 @@ void attend_one(
     const float* v_scales, const int64_t* blocks, int64_t context, int64_t group,
     int64_t head_dim, int64_t block_size, float scale, const GroupKernels<cache_t>& fast,
     AttendScratch& scratch) {
-  const int64_t block_elems = block_size * head_dim;
-  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(cache_t));
-  const int64_t used = (context + block_size - 1) / block_size;
   scratch.query.resize(group * head_dim);
   scratch.scores.resize(group * context);
   scratch.out.assign(group * head_dim, 0.f);
@@ -193,46 +214,32 @@ void attend_one(
   float* out = scratch.out.data();
   for (int64_t i = 0; i < group * head_dim; ++i) q[i] = static_cast<float>(query[i]) * scale;
 
-  for (int64_t i = 0; i < used; ++i) {
-    if (i + 1 < used) prefetch_block(k_head + blocks[i + 1] * block_elems, block_bytes);
-    const cache_t* kb = k_head + blocks[i] * block_elems;
-    const int64_t n = std::min(block_size, context - i * block_size);
-    for (int64_t j = 0; j < n; ++j) {
-      float* column = scores + i * block_size + j;
-      if (fast.dot) {
-        fast.dot(q, kb + j * head_dim, head_dim, column, context);
-      } else {
-        dot_group_any(group, q, kb + j * head_dim, head_dim, column, context);
-      }
-      if (k_scales != nullptr) {
-        const float token_scale = k_scales[blocks[i] * block_size + j];
-        for (int64_t g = 0; g < group; ++g) column[g * context] *= token_scale;
-      }
+  const auto attend_key = [&](const cache_t* key, int64_t t, int64_t slot) {
+    float* column = scores + t;
+    if (fast.dot) {
+      fast.dot(q, key, head_dim, column, context);
+    } else {
+      dot_group_any(group, q, key, head_dim, column, context);
     }
-  }
+    if (k_scales != nullptr) scale_column(column, context, group, k_scales[slot]);
+  };
+  for_each_cached_token(k_head, blocks, context, block_size, head_dim, attend_key);
   for (int64_t g = 0; g < group; ++g) {
     float* row = scores + g * context;
     const float peak = *std::max_element(row, row + context);
     const float inv_sum = 1.f / exp_shifted_sum(row, context, peak);
     for (int64_t t = 0; t < context; ++t) row[t] *= inv_sum;
   }
-  for (int64_t i = 0; i < used; ++i) {
-    if (i + 1 < used) prefetch_block(v_head + blocks[i + 1] * block_elems, block_bytes);
-    const cache_t* vb = v_head + blocks[i] * block_elems;
-    const int64_t n = std::min(block_size, context - i * block_size);
-    for (int64_t j = 0; j < n; ++j) {
-      float* column = scores + i * block_size + j;
-      if (v_scales != nullptr) {
-        const float token_scale = v_scales[blocks[i] * block_size + j];
-        for (int64_t g = 0; g < group; ++g) column[g * context] *= token_scale;
-      }
-      if (fast.axpy) {
-        fast.axpy(out, column, context, vb + j * head_dim, head_dim);
-      } else {
-        axpy_group_any(group, out, column, context, vb + j * head_dim, head_dim);
-      }
+  const auto accumulate_value = [&](const cache_t* value, int64_t t, int64_t slot) {
+    float* column = scores + t;
+    if (v_scales != nullptr) scale_column(column, context, group, v_scales[slot]);
+    if (fast.axpy) {
+      fast.axpy(out, column, context, value, head_dim);
+    } else {
+      axpy_group_any(group, out, column, context, value, head_dim);
     }
-  }
+  };
+  for_each_cached_token(v_head, blocks, context, block_size, head_dim, accumulate_value);
 }
 
 // Decode attention straight from the paged cache. Rows [0, batch) of qkv are single-token
