@@ -125,15 +125,14 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     source = ModelSource.from_path(args.model if args.model else find_embedded_model())
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    check_quantization(args.quantization, device)  # before the slow load
+    # Before the slow load (a failed native build is only known once kernels are chosen).
+    check_quantization(args.quantization, device, "torch" if args.kernels == "torch" else "native")
     tokenizer = load_tokenizer(source)
     model = load_model(source, dtype, device, max_positions=_position_table_size(args))
     kernels = select_kernels(args.kernels, device, dtype)
     rowwise = kernels.name == "native"  # the few-row int8 kernel is one of the native ops
-    model = model.replace(
-        weights=quantize_weights(model.weights, args.quantization, rowwise=rowwise),
-        kernels=kernels,
-    )
+    quantized = quantize_weights(model.weights, args.quantization, rowwise, kernels.name)
+    model = model.replace(weights=quantized, kernels=kernels)
     max_model_len = _max_model_len(args, model.spec.context_limit)
     kv_shape = model.spec.kv_shape(resolve_kv_dtype(args.kv_cache_dtype, dtype))
     weight_bytes = model.weights.nbytes

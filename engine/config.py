@@ -100,7 +100,7 @@ class EngineArgs:
     max_queued_requests: int = 0
     max_queued_tokens: int = 0
     seed: int = 0
-    # Weight quantization of the projections and LM head: none | int8 (CPU only).
+    # Weight quantization of the projections and LM head: none | int8 | int4 (CPU only).
     quantization: str = "none"
     # Norm / rotary / activation / attention kernels: auto | native (fused CPU ops) | torch.
     kernels: str = "auto"

@@ -41,8 +41,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     model.add_argument(
         "--quantization",
         default="none",
-        choices=["none", "int8"],
-        help="weight quantization of the linear layers (int8: CPU only)",
+        choices=["none", "int8", "int4"],
+        help="weight quantization of the linear layers, CPU only: int8 (per channel) or "
+        "int4 (Q4_1 groups of 32, native kernels; LM head int8)",
     )
     model.add_argument(
         "--kernels",

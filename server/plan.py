@@ -116,7 +116,10 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_BYTES])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument(
-        "--quantization", default="none", choices=["none", "int8"], help="as serve (int8: CPU)"
+        "--quantization",
+        default="none",
+        choices=["none", "int8", "int4"],
+        help="as serve (int8, int4: CPU)",
     )
     parser.add_argument(
         "--kernels",
@@ -162,7 +165,7 @@ def build_report(args: argparse.Namespace) -> PlanReport:
     shape = KVShape(facts.num_layers, facts.num_kv_heads, facts.head_dim, kv_dtype)
     max_len = args.max_model_len or min(facts.context_len, DEFAULT_CONTEXT_CAP)
     avg_len = min(args.avg_len or max_len, max_len)
-    _check_quantization(args.quantization, device)
+    _check_quantization(args.quantization, device, args.kernels)
     # Planning never compiles anything: auto is assumed to get the native kernels, as it
     # does wherever g++ is present (if not, the server holds fewer weight bytes than this).
     rowwise = args.quantization == "int8" and args.kernels != "torch"
@@ -204,6 +207,8 @@ def _assemble(
         note += "; linear layers and LM head int8 with per-channel scales"
         if args.kernels != "torch":
             note += " (+ a row-major int8 copy for 1-4 row steps)"
+    if args.quantization == "int4":
+        note += "; projections int4 (Q4_1 groups of 32), LM head int8 (+ row-major copy)"
     return PlanReport(
         model=facts.name,
         config_source=facts.source,
@@ -317,16 +322,29 @@ def weight_bytes_for(
     """Weight bytes as the server counts them: every parameter in ``dtype``; with int8, the
     linear weights at one byte plus a float32 scale and an int32 zero point per output
     channel, biases and the rest (embedding, norms) still in ``dtype``; ``rowwise`` adds the
-    native kernels' second copy (one byte per weight, a float32 scale per channel)."""
+    native kernels' second copy (one byte per weight, a float32 scale per channel). With
+    int4 the decoder's projections take half a byte per weight plus a float16 scale and
+    minimum per group of 32, and the LM head is int8 with its row-major copy."""
     if quantization == "none":
         return facts.num_parameters * DTYPE_BYTES[dtype]
-    from engine.model.quant_linear import INT8_CHANNEL_OVERHEAD_BYTES, ROWWISE_CHANNEL_BYTES
+    from engine.model.quant_linear import (
+        INT4_GROUP,
+        INT4_GROUP_OVERHEAD_BYTES,
+        INT8_CHANNEL_OVERHEAD_BYTES,
+        ROWWISE_CHANNEL_BYTES,
+    )
 
     dense = facts.num_parameters - facts.linear_parameters + facts.tied_head_parameters
-    channels = facts.linear_out_channels * INT8_CHANNEL_OVERHEAD_BYTES
-    total = dense * DTYPE_BYTES[dtype] + facts.linear_parameters + channels
+    int8_parameters, int8_channels = facts.linear_parameters, facts.linear_out_channels
+    total = dense * DTYPE_BYTES[dtype]
+    if quantization == "int4":
+        int8_parameters, int8_channels = facts.vocab_size * facts.hidden_size, facts.vocab_size
+        projections = facts.linear_parameters - int8_parameters
+        total += projections // 2 + projections // INT4_GROUP * INT4_GROUP_OVERHEAD_BYTES
+        rowwise = True  # int4 runs on the native kernels, which give the head its copy
+    total += int8_parameters + int8_channels * INT8_CHANNEL_OVERHEAD_BYTES
     if rowwise:
-        total += facts.linear_parameters + facts.linear_out_channels * ROWWISE_CHANNEL_BYTES
+        total += int8_parameters + int8_channels * ROWWISE_CHANNEL_BYTES
     return total
 
 
@@ -368,12 +386,14 @@ def _activation_reserve(args: argparse.Namespace, facts: ModelFacts, dtype: str)
     return tokens * per_token
 
 
-def _check_quantization(quantization: str, device: str) -> None:
-    if quantization == "int8" and device != "cpu":
-        raise ValueError(
-            f"--quantization int8 runs on the CPU only (fbgemm kernels), not on {device}; "
-            "use --quantization none (or --device cpu)"
-        )
+def _check_quantization(quantization: str, device: str, kernels: str) -> None:
+    import torch
+
+    from engine.model.quant_linear import check_quantization
+
+    # Planning never compiles anything: auto is assumed to get the native kernels.
+    backend = "torch" if kernels == "torch" else "native"
+    check_quantization(quantization, torch.device(device), backend)
 
 
 def _resolve_device(device: str) -> str:

@@ -1,7 +1,7 @@
 """Builds and loads the fused CPU kernels in csrc/ (``torch.ops.kvserve.*``).
 
 The extension is compiled once per machine with torch's JIT extension builder (g++ and
-ninja; about 20 s on two cores, the four sources in parallel) and cached under
+ninja; about 25 s on two cores, the sources in parallel) and cached under
 ``TORCH_EXTENSIONS_DIR`` (by default ``~/.cache/torch_extensions``); later loads take well
 under a second. The build targets the CPU features torch itself dispatches to (AVX2 /
 AVX-512), and the cache name carries that capability, so a cache copied to an older CPU is
@@ -22,7 +22,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("elementwise.cpp", "paged_attention.cpp", "int8_linear.cpp", "register.cpp")
+SOURCES = (
+    "elementwise.cpp",
+    "paged_attention.cpp",
+    "int8_linear.cpp",
+    "int4_linear.cpp",
+    "register.cpp",
+)
 _CAPABILITY_FLAGS: dict[str, list[str]] = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],

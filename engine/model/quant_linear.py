@@ -1,4 +1,4 @@
-"""Linear layers behind one small interface: dense (F.linear) or int8 weights (fbgemm).
+"""Linear layers behind one small interface: dense (F.linear), int8 (fbgemm) or int4.
 
 The decoder calls every projection as ``linear(x)`` and counts weight memory through
 ``linear.nbytes``; it never looks inside. ``--quantization int8`` swaps the dense layers
@@ -12,6 +12,11 @@ for ``Int8Linear`` after loading:
 CPU only: fbgemm has no CUDA kernels, so int8 on CUDA is refused with a message naming
 the flag. The quantization cost is paid once; each call then reads a quarter of the
 float32 weight bytes, which is what a memory-bound decode step is limited by.
+
+``--quantization int4`` puts the decoder's projections in ``Int4Linear`` (llama.cpp's Q4_1
+format: groups of 32 input channels, a float16 scale and minimum each, 5 bits per weight)
+and the LM head in ``Int8Linear``, as the Q4_1 GGUF keeps its embedding at 8 bits. It
+halves the bytes a batch-1 decode step streams again; it needs the native CPU kernels.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.model.native import load_native_ops
+
 if TYPE_CHECKING:
     from engine.model.llama import LayerWeights, LlamaWeights
 
-QUANTIZATION_METHODS: tuple[str, ...] = ("none", "int8")
+QUANTIZATION_METHODS: tuple[str, ...] = ("none", "int8", "int4")
 # Calls with at most this many rows take the row-major int8 kernel when it is loaded: up to
 # here it is about as fast as fbgemm or faster, and exact in the activations; at 8 rows
 # it is half fbgemm's speed.
@@ -36,6 +43,10 @@ ROWWISE_CHANNEL_BYTES = 4
 INT8_MAX = 127
 # fbgemm keeps one float32 scale and one int32 zero point per output channel.
 INT8_CHANNEL_OVERHEAD_BYTES = 4 + 4
+# int4 (Q4_1): 32 weights per group, two per byte, and a float16 scale and minimum.
+INT4_GROUP = 32
+INT4_LEVELS = 15
+INT4_GROUP_OVERHEAD_BYTES = 2 + 2
 
 
 class Linear(Protocol):
@@ -137,6 +148,89 @@ class Int8Linear:
         return weight
 
 
+class Int4Linear:
+    """Group-wise asymmetric 4-bit weights (Q4_1): ``w = d * q + m``, q in 0..15.
+
+    Each output row's input channels form groups of 32 with their own float16 scale ``d``
+    and minimum ``m`` (``params [out, in / 32, 2]``); the 4-bit codes are packed two per
+    byte (``packed [out, in / 2]``, element j of a group in byte j's low nibble, element
+    j + 16 in its high nibble). ``torch.ops.kvserve.int4_linear`` computes
+    ``sum_g d * (x . q) + m * sum(x)`` with float32 activations: up to four rows it unpacks
+    each group once for all rows while streaming the weights (decode); more rows
+    dequantize a tile of weight rows and reuse it (prefill, large batches).
+
+    A weight already on a Q4_1 grid (the embedded GGUF's projections) round-trips exactly:
+    its group minimum and maximum are codes 0 and 15.
+    """
+
+    __slots__ = ("bias", "in_features", "out_features", "packed", "params")
+
+    def __init__(
+        self, packed: torch.Tensor, params: torch.Tensor, bias: torch.Tensor | None = None
+    ):
+        self.packed = packed
+        self.params = params
+        self.out_features = packed.shape[0]
+        self.in_features = packed.shape[1] * 2
+        self.bias = bias  # in the serving dtype, as for Int8Linear
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
+        """Quantize a ``[out, in]`` weight group-wise (``in`` a multiple of 32)."""
+        check_quantization("int4", weight.device, "native" if load_native_ops() else "torch")
+        packed, params = quantize_int4(weight)
+        return cls(packed, params, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x if x.dtype == torch.float32 else x.float()
+        y = x32.new_empty(x.shape[0], self.out_features)
+        torch.ops.kvserve.int4_linear(y, x32.contiguous(), self.packed, self.params)
+        y = y if x.dtype == torch.float32 else y.to(x.dtype)
+        return y if self.bias is None else y.add_(self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(map(_tensor_bytes, (self.packed, self.params, self.bias)))
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 ``[out, in]`` weight the kernel multiplies by."""
+        return dequantize_int4(self.packed, self.params)
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed uint8 [out, in / 2], params float16 [out, in / 32, 2])`` for a weight.
+
+    Per group: ``m = min``, ``d = (max - min) / 15``, both rounded to float16 first so the
+    codes are chosen against the scale the kernel will use.
+    """
+    out_features, in_features = weight.shape
+    if in_features % INT4_GROUP:
+        raise ValueError(
+            f"--quantization int4 needs input widths that are multiples of {INT4_GROUP}; "
+            f"this model has a {in_features}-wide projection (use --quantization int8)"
+        )
+    groups = (
+        weight.detach().to(device="cpu", dtype=torch.float32).reshape(out_features, -1, INT4_GROUP)
+    )
+    low = groups.amin(dim=2, keepdim=True).half()
+    scale = ((groups.amax(dim=2, keepdim=True) - low.float()) / INT4_LEVELS).half()
+    inverse = torch.where(scale > 0, 1.0 / scale.float(), torch.zeros_like(scale.float()))
+    codes = ((groups - low.float()) * inverse).round_().clamp_(0, INT4_LEVELS).to(torch.uint8)
+    half = INT4_GROUP // 2
+    packed = codes[..., :half] | (codes[..., half:] << 4)
+    params = torch.cat([scale, low], dim=2)
+    return packed.reshape(out_features, -1).contiguous(), params.contiguous()
+
+
+def dequantize_int4(packed: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """The float32 weight ``d * q + m`` that ``quantize_int4``'s output stands for."""
+    out_features = packed.shape[0]
+    groups = packed.reshape(out_features, -1, INT4_GROUP // 2)
+    codes = torch.cat([groups & 0x0F, groups >> 4], dim=2).float()
+    weight = codes * params[..., :1].float() + params[..., 1:].float()
+    return weight.reshape(out_features, -1)
+
+
 def quantize_per_channel(weight: torch.Tensor) -> torch.Tensor:
     """Symmetric qint8 per output row: scale = max|row| / 127, zero point 0."""
     weight = weight.detach().to(device="cpu", dtype=torch.float32)
@@ -150,50 +244,75 @@ def quantize_per_channel(weight: torch.Tensor) -> torch.Tensor:
         )
 
 
-def check_quantization(method: str, device: torch.device) -> None:
-    """Reject an unknown method, and int8 off the CPU, with messages naming the flag."""
+def check_quantization(method: str, device: torch.device, kernels: str = "native") -> None:
+    """Reject an unknown method, int8/int4 off the CPU, and int4 without the native
+    kernels (``kernels`` names the backend in use), with messages naming the flag."""
     if method not in QUANTIZATION_METHODS:
         raise ValueError(
             f"--quantization must be one of {list(QUANTIZATION_METHODS)}, not {method!r}"
         )
-    if method == "int8" and device.type != "cpu":
+    if method != "none" and device.type != "cpu":
         raise ValueError(
-            f"--quantization int8 runs on the CPU only (fbgemm kernels), not on {device.type}; "
+            f"--quantization {method} runs on the CPU only, not on {device.type}; "
             "use --quantization none (or --device cpu)"
+        )
+    if method == "int4" and kernels != "native":
+        raise ValueError(
+            "--quantization int4 runs on the native CPU kernels, which are not in use "
+            "(--kernels torch, or they failed to build: see the warning above); "
+            "use --kernels auto or --quantization int8"
         )
 
 
-def quantize_weights(weights: LlamaWeights, method: str, rowwise: bool = False) -> LlamaWeights:
+def quantize_weights(
+    weights: LlamaWeights, method: str, rowwise: bool = False, kernels: str = "native"
+) -> LlamaWeights:
     """The same model with its projections and LM head in ``method`` (``none``: unchanged).
 
-    With int8 the LM head gets its own quantized copy even when tied to the embedding: the
-    lookup table stays in the serving dtype and both count toward the weight bytes.
-    ``rowwise`` adds the row-major copy for few-row calls (needs the native kernels).
+    The LM head gets its own int8 copy (int8 and int4) even when tied to the embedding: the
+    lookup table stays in the serving dtype and both count toward the weight bytes. With
+    int4 the decoder's projections are 4-bit. ``rowwise`` adds the int8 row-major copy for
+    few-row calls; it and int4 need the native kernels (``kernels`` names the backend).
     """
-    check_quantization(method, weights.embed.device)
+    check_quantization(method, weights.embed.device, kernels)
     if method == "none":
         return weights
-    layers = [_quantize_layer(layer, rowwise) for layer in weights.layers]
+    layers = [_quantize_layer(layer, method, rowwise) for layer in weights.layers]
     lm_head = _to_int8(weights.lm_head, rowwise)
     return dataclasses.replace(weights, layers=layers, lm_head=lm_head)
 
 
-def _quantize_layer(layer: LayerWeights, rowwise: bool) -> LayerWeights:
+def _quantize_layer(layer: LayerWeights, method: str, rowwise: bool) -> LayerWeights:
+    def convert(linear: Linear) -> Linear:
+        return _to_int4(linear) if method == "int4" else _to_int8(linear, rowwise)
+
     return dataclasses.replace(
         layer,
-        qkv=_to_int8(layer.qkv, rowwise),
-        o_proj=_to_int8(layer.o_proj, rowwise),
-        gate_up=_to_int8(layer.gate_up, rowwise),
-        down=_to_int8(layer.down, rowwise),
+        qkv=convert(layer.qkv),
+        o_proj=convert(layer.o_proj),
+        gate_up=convert(layer.gate_up),
+        down=convert(layer.down),
     )
+
+
+def _dense(linear: Linear) -> DenseLinear:
+    if not isinstance(linear, DenseLinear):
+        raise TypeError(f"cannot quantize a {type(linear).__name__}")
+    return linear
 
 
 def _to_int8(linear: Linear, rowwise: bool) -> Int8Linear:
     if isinstance(linear, Int8Linear):
         return linear
-    if not isinstance(linear, DenseLinear):
-        raise TypeError(f"cannot quantize a {type(linear).__name__}")
-    return Int8Linear.from_dense(linear.weight, linear.bias, rowwise=rowwise)
+    dense = _dense(linear)
+    return Int8Linear.from_dense(dense.weight, dense.bias, rowwise=rowwise)
+
+
+def _to_int4(linear: Linear) -> Int4Linear:
+    if isinstance(linear, Int4Linear):
+        return linear
+    dense = _dense(linear)
+    return Int4Linear.from_dense(dense.weight, dense.bias)
 
 
 def _tensor_bytes(tensor: torch.Tensor | None) -> int:

@@ -145,7 +145,7 @@ def test_tied_head_is_untied_and_the_embedding_stays_in_the_serving_dtype(tiny_l
 
 def test_unknown_method_and_int8_off_the_cpu_are_refused_naming_the_flag():
     with pytest.raises(ValueError, match="--quantization must be one of"):
-        check_quantization("int4", torch.device("cpu"))
+        check_quantization("int3", torch.device("cpu"))
     with pytest.raises(ValueError, match="--quantization int8 runs on the CPU only"):
         check_quantization("int8", torch.device("cuda"))
     check_quantization("none", torch.device("cuda"))

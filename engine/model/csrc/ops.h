@@ -35,4 +35,8 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& qkv, const at::Te
 void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                  const at::Tensor& scales);
 
+// int4_linear.cpp
+void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
+                 const at::Tensor& params);
+
 }  // namespace kvserve

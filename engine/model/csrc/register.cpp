@@ -19,6 +19,7 @@ TORCH_LIBRARY(kvserve, m) {
       "Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, float scale, "
       "Tensor? key_scale=None, Tensor? value_scale=None) -> ()");
   m.def("int8_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor scales) -> ()");
+  m.def("int4_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor params) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
@@ -29,4 +30,5 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("write_kv", &kvserve::write_kv);
   m.impl("paged_decode_attention", &kvserve::paged_decode_attention);
   m.impl("int8_linear", &kvserve::int8_linear);
+  m.impl("int4_linear", &kvserve::int4_linear);
 }

@@ -1,0 +1,236 @@
+"""Int4 weight quantization (--quantization int4, Q4_1 groups of 32): the format's round
+trip, the native kernel against the dequantized weights on both of its paths, bounded
+logit error against float32, weight bytes and plan agreement, refusals that name the
+flag, the engine end to end, and (slow) the real SmolLM2, whose GGUF projections are Q4_1
+and must come back bit for bit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.builder import build_engine
+from engine.config import EngineArgs
+from engine.model.llama import LlamaModel, LlamaWeights
+from engine.model.loader import ModelSource, load_model, model_from_reference
+from engine.model.native import load_native_ops
+from engine.model.quant_linear import (
+    INT4_GROUP,
+    INT4_GROUP_OVERHEAD_BYTES,
+    DenseLinear,
+    Int4Linear,
+    Int8Linear,
+    Linear,
+    check_quantization,
+    dequantize_int4,
+    quantize_int4,
+    quantize_weights,
+)
+from tests.model.engine_helpers import greedy, run_all, smollm_chat_prompt, smollm_greedy_answer
+from tests.model.test_weight_quant import parse_plan, prefill_and_decode_logits
+
+pytestmark = pytest.mark.skipif(not load_native_ops(), reason="int4 needs the native kernels")
+
+# Int4 vs float32 logits on the tiny random models (Gaussian weights x4, far from any
+# 4-bit grid), measured over seeds 0-2 and both shapes: relative error 0.196-0.233, max
+# |error| 0.75-1.25 x the logits' std, top-1 agreement 0.64-0.84 (int8: 0.033-0.036, 0.17-0.22,
+# 0.84-1.0). These bounds only catch a broken quantizer; the exactness of the int4 path
+# itself is checked against the dequantized weights below.
+RELATIVE_ERROR_BOUND = 0.3
+MAX_ERROR_BOUND = 1.6  # x std of the float32 logits
+TOP1_AGREEMENT = 0.55
+
+
+def q4_1_grid_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """A weight already on a Q4_1 grid, as a GGUF's dequantized tensor is: float16 d and
+    m per group, codes 0..15 with 0 and 15 present in every group (llama.cpp's quantizer
+    maps each group's minimum and maximum to them)."""
+    generator = torch.Generator().manual_seed(seed)
+    groups = cols // INT4_GROUP
+    codes = torch.randint(0, 16, (rows, groups, INT4_GROUP), generator=generator)
+    codes[..., 0], codes[..., 1] = 0, 15
+    scale = (torch.rand(rows, groups, 1, generator=generator) * 0.05 + 1e-3).half().float()
+    low = (torch.randn(rows, groups, 1, generator=generator) * 0.1).half().float()
+    return (codes * scale + low).reshape(rows, cols)
+
+
+def test_a_q4_1_weight_round_trips_bit_for_bit():
+    weight = q4_1_grid_weight(24, 96)
+    packed, params = quantize_int4(weight)
+    assert packed.dtype == torch.uint8 and packed.shape == (24, 48)
+    assert params.dtype == torch.float16 and params.shape == (24, 3, 2)
+    assert torch.equal(dequantize_int4(packed, params), weight)
+
+
+def test_quantization_error_is_at_most_half_a_step_per_group():
+    weight = torch.randn(40, 128, generator=torch.Generator().manual_seed(1))
+    packed, params = quantize_int4(weight)
+    error = (dequantize_int4(packed, params) - weight).abs().reshape(40, -1, INT4_GROUP)
+    step = params[..., :1].float()
+    # Half a step, plus the float16 rounding of the group's minimum.
+    assert (error <= step / 2 + 1e-3 * weight.abs().max()).all()
+    assert error.max() > 0  # random weights are not on the grid
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 33])
+@pytest.mark.parametrize(("out_features", "in_features"), [(37, 64), (960, 576), (50, 1536)])
+def test_int4_linear_equals_the_dequantized_weight(rows, out_features, in_features):
+    """Rows 1-4 take the fused unpack-and-dot path, more rows the dequantized-tile path;
+    out_features that are not multiples of the 16-row tile or the 3-row block included."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    linear = Int4Linear.from_dense(weight, bias)
+    exact = F.linear(x, linear.dequantize(), bias)
+    assert torch.allclose(linear(x), exact, rtol=1e-5, atol=1e-4 * exact.abs().max().item())
+    assert linear(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_int4_linear_bytes_are_the_packed_sizes():
+    linear = Int4Linear.from_dense(torch.randn(48, 64), torch.randn(48))
+    groups = 48 * 64 // INT4_GROUP
+    assert linear.nbytes == 48 * 64 // 2 + groups * INT4_GROUP_OVERHEAD_BYTES + 48 * 4
+    assert (linear.in_features, linear.out_features) == (64, 48)
+
+
+def test_refusals_name_the_flag():
+    with pytest.raises(ValueError, match=r"multiples of 32.*--quantization int8"):
+        Int4Linear.from_dense(torch.randn(8, 48))
+    with pytest.raises(ValueError, match="--quantization int4 runs on the CPU only"):
+        check_quantization("int4", torch.device("cuda"))
+    with pytest.raises(ValueError, match=r"native CPU kernels.*--kernels auto"):
+        check_quantization("int4", torch.device("cpu"), "torch")
+    check_quantization("int4", torch.device("cpu"), "native")
+
+
+def int4_model(model: LlamaModel) -> LlamaModel:
+    return model.replace(weights=quantize_weights(model.weights, "int4", rowwise=True))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"num_heads": 4, "num_kv_heads": 2},
+        {"num_heads": 4, "num_kv_heads": 4, "tie_embeddings": True},
+    ],
+    ids=["gqa-untied", "mha-tied"],
+)
+def test_int4_logits_stay_close_to_float32(tiny_llama_factory, kernels, shape):
+    _, reference = tiny_llama_factory(**shape)
+    model = model_from_reference(reference).replace(kernels=kernels)
+    exact = prefill_and_decode_logits(model)
+    approx = prefill_and_decode_logits(int4_model(model))
+    relative = ((approx - exact).norm() / exact.norm()).item()
+    assert 0 < relative < RELATIVE_ERROR_BOUND, relative
+    error, spread = (approx - exact).abs().max().item(), exact.std().item()
+    assert error < MAX_ERROR_BOUND * spread, (error, spread)
+    agree = (approx.argmax(-1) == exact.argmax(-1)).float().mean().item()
+    assert agree >= TOP1_AGREEMENT, agree
+
+
+def test_int4_model_equals_a_dense_model_of_its_dequantized_weights(tiny_llama_factory, kernels):
+    """Everything the int4 path adds beyond the rounding of the weights: nothing, up to
+    float32 summation order (prefill chunks through the tile path, decode steps through
+    the fused path)."""
+    _, reference = tiny_llama_factory()
+    quantized = int4_model(model_from_reference(reference).replace(kernels=kernels))
+    twin = quantized.replace(weights=dequantized_twin(quantized.weights))
+    exact, actual = prefill_and_decode_logits(twin), prefill_and_decode_logits(quantized)
+    assert torch.allclose(actual, exact, rtol=1e-4, atol=1e-4 * exact.abs().max().item())
+
+
+def dequantized_twin(weights: LlamaWeights) -> LlamaWeights:
+    def dense(linear: Linear) -> Linear:
+        assert isinstance(linear, Int4Linear)
+        return DenseLinear(linear.dequantize(), linear.bias)
+
+    layers = [
+        dataclasses.replace(
+            layer,
+            qkv=dense(layer.qkv),
+            o_proj=dense(layer.o_proj),
+            gate_up=dense(layer.gate_up),
+            down=dense(layer.down),
+        )
+        for layer in weights.layers
+    ]
+    return dataclasses.replace(weights, layers=layers)
+
+
+def test_projections_are_int4_and_the_head_int8(tiny_llama_factory):
+    _, reference = tiny_llama_factory(tie_embeddings=True)
+    dense = model_from_reference(reference).weights
+    quantized = quantize_weights(dense, "int4", rowwise=True)
+    for layer in quantized.layers:
+        assert all(
+            isinstance(linear, Int4Linear)
+            for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        )
+    assert isinstance(quantized.lm_head, Int8Linear) and quantized.lm_head.rowwise is not None
+    assert quantized.embed is dense.embed
+    linears = [quantized.lm_head] + [
+        linear
+        for layer in quantized.layers
+        for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+    ]
+    norms = [quantized.final_norm] + [
+        t for layer in quantized.layers for t in (layer.input_norm, layer.post_norm)
+    ]
+    expected = quantized.embed.numel() * 4 + sum(t.numel() * 4 for t in norms)
+    assert quantized.nbytes == expected + sum(linear.nbytes for linear in linears)
+
+
+def test_engine_and_plan_agree_on_int4_weights_and_generate(tiny_model_dir):
+    """build_engine(quantization=int4): weight bytes equal `kvserve plan`'s, and greedy
+    generation runs; each first token is within the int4 error bound of float32's best."""
+    from transformers import AutoModelForCausalLM
+
+    from server.plan import build_report
+
+    args = EngineArgs(model=str(tiny_model_dir), device="cpu", dtype="float32", quantization="int4")
+    built = build_engine(args)
+    flags = ["--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32"]
+    report = build_report(parse_plan(*flags, "--quantization", "int4"))
+    assert built.weight_bytes == built.plan.weight_bytes == report.weight_bytes
+    texts = ["The capital of France is", "One, two, three,", "Hello"]
+    prompts = {f"r{i}": built.tokenizer.encode(t) for i, t in enumerate(texts)}
+    outputs = run_all(built.core, prompts, {rid: greedy(12) for rid in prompts})
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    for rid, prompt in prompts.items():
+        assert len(outputs[rid]) == 12
+        with torch.no_grad():
+            exact = reference(torch.tensor([prompt])).logits[0, -1]
+        assert exact[outputs[rid][0]] >= exact.max() - MAX_ERROR_BOUND * exact.std()
+
+
+def test_int4_with_torch_kernels_is_refused_before_loading(tiny_model_dir):
+    from server.plan import build_report
+
+    args = EngineArgs(model=str(tiny_model_dir), device="cpu", quantization="int4", kernels="torch")
+    with pytest.raises(ValueError, match="--quantization int4 runs on the native CPU kernels"):
+        build_engine(args)
+    flags = ["--model", str(tiny_model_dir), "--quantization", "int4", "--kernels", "torch"]
+    plan_args = parse_plan(*flags)
+    with pytest.raises(ValueError, match="--kernels auto or --quantization int8"):
+        build_report(plan_args)
+
+
+@pytest.mark.slow
+def test_smollm_q4_1_projections_round_trip_and_the_answer_agrees(smollm_gguf, smollm_tokenizer):
+    """The embedded GGUF stores every projection in Q4_1: int4 holds them bit for bit (only
+    the LM head, Q8_0 in the file, is requantized to int8), so the greedy chat answer is
+    float32's."""
+    source = ModelSource.from_path(str(smollm_gguf))
+    model = load_model(source, torch.float32, torch.device("cpu"), max_positions=64)
+    for layer in model.weights.layers:
+        for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+            weight = linear.weight  # type: ignore[attr-defined]
+            assert torch.equal(dequantize_int4(*quantize_int4(weight)), weight)
+    prompt = smollm_chat_prompt(smollm_tokenizer)
+    exact = smollm_greedy_answer(str(smollm_gguf), prompt, 24)
+    approx = smollm_greedy_answer(str(smollm_gguf), prompt, 24, "int4")
+    assert approx == exact, (smollm_tokenizer.decode(approx), smollm_tokenizer.decode(exact))
