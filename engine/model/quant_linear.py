@@ -47,6 +47,9 @@ INT8_CHANNEL_OVERHEAD_BYTES = 4 + 4
 INT4_GROUP = 32
 INT4_LEVELS = 15
 INT4_GROUP_OVERHEAD_BYTES = 2 + 2
+# Calls with at most this many rows quantize activations for integer dot products
+# (kIntegerMaxRows in csrc/int4_linear.cpp).
+INT4_INTEGER_MAX_ROWS = 8
 
 
 class Linear(Protocol):
@@ -155,9 +158,12 @@ class Int4Linear:
     and minimum ``m`` (``params [out, in / 32, 2]``); the 4-bit codes are packed two per
     byte (``packed [out, in / 2]``, element j of a group in byte j's low nibble, element
     j + 16 in its high nibble). ``torch.ops.kvserve.int4_linear`` computes
-    ``sum_g d * (x . q) + m * sum(x)`` with float32 activations: up to four rows it unpacks
-    each group once for all rows while streaming the weights (decode); more rows
-    dequantize a tile of weight rows and reuse it (prefill, large batches).
+    ``sum_g d * (x . q) + m * sum(x)``. Up to ``INT4_INTEGER_MAX_ROWS`` rows (decode) the
+    dot products are integer, as llama.cpp's Q4_1 x Q8_1: each group of 32 activations is
+    quantized to int8 with its own scale (max|x| / 127), the group sums stay exact; more
+    rows (prefill, large batches) dequantize tiles of weight rows and keep float32
+    activations. At batch 1 this streams 0.6x int8's bytes and is faster; from 8 rows on
+    fbgemm's int8 GEMM is faster (docs/BENCHMARKS.md).
 
     A weight already on a Q4_1 grid (the embedded GGUF's projections) round-trips exactly:
     its group minimum and maximum are codes 0 and 15.

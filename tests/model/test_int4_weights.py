@@ -20,6 +20,7 @@ from engine.model.native import load_native_ops
 from engine.model.quant_linear import (
     INT4_GROUP,
     INT4_GROUP_OVERHEAD_BYTES,
+    INT4_INTEGER_MAX_ROWS,
     DenseLinear,
     Int4Linear,
     Int8Linear,
@@ -42,6 +43,7 @@ pytestmark = pytest.mark.skipif(not load_native_ops(), reason="int4 needs the na
 RELATIVE_ERROR_BOUND = 0.3
 MAX_ERROR_BOUND = 1.6  # x std of the float32 logits
 TOP1_AGREEMENT = 0.55
+ACTIVATION_ROUNDING_BOUND = 0.04
 
 
 def q4_1_grid_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -75,18 +77,40 @@ def test_quantization_error_is_at_most_half_a_step_per_group():
     assert error.max() > 0  # random weights are not on the grid
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 33])
+def kernel_reference(x: torch.Tensor, linear: Int4Linear) -> torch.Tensor:
+    """What the kernel computes, in torch: up to INT4_INTEGER_MAX_ROWS rows the activations
+    are rounded per group of 32 to int8 steps of max|x| / 127 (the minimum term uses the
+    exact group sums); more rows multiply float32 activations by the dequantized weight."""
+    weight = linear.dequantize()
+    if x.shape[0] > INT4_INTEGER_MAX_ROWS:
+        return x @ weight.T
+    groups = x.reshape(x.shape[0], -1, INT4_GROUP)
+    amax = groups.abs().amax(dim=2, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    rounded = ((groups * inverse).round() * (amax / 127.0)).reshape_as(x)
+    low = linear.params[..., 1].float()  # [out, groups]
+    codes_times_scale = weight - low.repeat_interleave(INT4_GROUP, dim=1)
+    return rounded @ codes_times_scale.T + groups.sum(dim=2) @ low.T
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 33])
 @pytest.mark.parametrize(("out_features", "in_features"), [(37, 64), (960, 576), (50, 1536)])
-def test_int4_linear_equals_the_dequantized_weight(rows, out_features, in_features):
-    """Rows 1-4 take the fused unpack-and-dot path, more rows the dequantized-tile path;
-    out_features that are not multiples of the 16-row tile or the 3-row block included."""
+def test_int4_linear_computes_its_reference(rows, out_features, in_features):
+    """Rows 1-8 take the integer path (in blocks of up to four rows: 5 = 4 + 1), more
+    rows the dequantized-tile path; out_features that are not multiples of the 16-row
+    tile or the 3-row block included. Against float32 activations the integer path's
+    error is the int8 rounding of the activations: a few tenths of a percent."""
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(out_features, in_features, generator=generator)
     bias = torch.randn(out_features, generator=generator)
     x = torch.randn(rows, in_features, generator=generator)
     linear = Int4Linear.from_dense(weight, bias)
+    actual = linear(x)
+    expected = kernel_reference(x, linear) + bias
+    scale = expected.abs().max().item()
+    assert torch.allclose(actual, expected, rtol=1e-5, atol=1e-5 * scale)
     exact = F.linear(x, linear.dequantize(), bias)
-    assert torch.allclose(linear(x), exact, rtol=1e-5, atol=1e-4 * exact.abs().max().item())
+    assert (actual - exact).abs().max().item() < 0.02 * scale
     assert linear(x.to(torch.bfloat16)).dtype == torch.bfloat16
 
 
@@ -132,15 +156,21 @@ def test_int4_logits_stay_close_to_float32(tiny_llama_factory, kernels, shape):
     assert agree >= TOP1_AGREEMENT, agree
 
 
-def test_int4_model_equals_a_dense_model_of_its_dequantized_weights(tiny_llama_factory, kernels):
-    """Everything the int4 path adds beyond the rounding of the weights: nothing, up to
-    float32 summation order (prefill chunks through the tile path, decode steps through
-    the fused path)."""
+def test_int4_model_stays_close_to_a_dense_model_of_its_dequantized_weights(
+    tiny_llama_factory, kernels
+):
+    """Everything the int4 path adds beyond the rounding of the weights: the int8 rounding
+    of activations in steps of at most eight rows (all of this test's steps). Measured
+    over seeds 0-3: relative logit error 0.019-0.023, a tenth of the int4 weights' own
+    0.196-0.234 against float32, and top-1 agreement 0.96-1.0 with the twin."""
     _, reference = tiny_llama_factory()
     quantized = int4_model(model_from_reference(reference).replace(kernels=kernels))
     twin = quantized.replace(weights=dequantized_twin(quantized.weights))
     exact, actual = prefill_and_decode_logits(twin), prefill_and_decode_logits(quantized)
-    assert torch.allclose(actual, exact, rtol=1e-4, atol=1e-4 * exact.abs().max().item())
+    relative = ((actual - exact).norm() / exact.norm()).item()
+    assert 0 < relative < ACTIVATION_ROUNDING_BOUND, relative
+    agree = (actual.argmax(-1) == exact.argmax(-1)).float().mean().item()
+    assert agree >= 0.9, agree
 
 
 def dequantized_twin(weights: LlamaWeights) -> LlamaWeights:

@@ -7,11 +7,18 @@
 // [out, in/32, 2] float16 (d, m).
 //
 // y[r, n] = sum_g d[n,g] * (x[r, g] . q[n, g]) + m[n,g] * sum(x[r, g]): the minimum is
-// applied once per group through the group sums of x, computed once per call.
+// applied once per group through the group sums of x (exact float sums, once per call).
+//
+// Up to eight rows (decode) the dot products are integer, as llama.cpp's Q4_1 x Q8_1: each
+// activation group of 32 is quantized to int8 with its own scale (max|x| / 127), and
+// u8 x s8 multiply-adds (vpmaddubsw) replace unpacking every weight to float, which made
+// the float version compute-bound at a third of the memory rate. More rows dequantize a
+// tile of weight rows to float once and reuse it: exact activations, FMA-bound.
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "common.h"
@@ -22,9 +29,12 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kGroupBytes = kGroup / 2;
-// Activation rows up to this count take the fused unpack-and-dot path; more rows
-// dequantize a tile of weight rows once and reuse it for every activation row.
-constexpr int64_t kFusedMaxRows = 4;
+// Activation rows up to this count take the integer path (decode steps); more rows
+// dequantize a tile of weight rows to float once and reuse it, which is faster from 16
+// rows on (bench/bench_kernels.py) and exact in the activations (prefill).
+constexpr int64_t kIntegerMaxRows = 8;
+// Activation rows that share one unpacked weight group on the integer path.
+constexpr int64_t kRowBlock = 4;
 // Weight rows dequantized per tile on the many-row path (a 16 x 1,536 float tile is
 // 96 KiB: the L2 of one core).
 constexpr int64_t kTileRows = 16;
@@ -45,6 +55,52 @@ inline void unpack_group_scalar(const uint8_t* bytes, float* q) {
   }
 }
 
+// Activation rows quantized per group of 32 for the integer dot products: int8 values
+// (x * 127 / max|x|, rounded to nearest even), the scale back (max|x| / 127), and the
+// group's exact float sum for the minimum term.
+struct QuantizedRows {
+  int64_t groups = 0;
+  std::vector<int8_t> values;  // [rows, in]
+  std::vector<float> scales;   // [rows, groups]
+  std::vector<float> sums;     // [rows, groups]
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in) {
+  QuantizedRows out;
+  out.groups = in / kGroup;
+  out.values.resize(rows * in);
+  out.scales.resize(rows * out.groups);
+  out.sums.resize(rows * out.groups);
+  for (int64_t at = 0; at < rows * out.groups; ++at) {
+    const float* src = x + at * kGroup;
+    int8_t* dst = out.values.data() + at * kGroup;
+    float amax = 0.f, sum = 0.f;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      amax = std::max(amax, std::fabs(src[j]));
+      sum += src[j];
+    }
+    const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+#ifdef KVSERVE_AVX2
+    // Round to nearest even (the default MXCSR mode), pack to int8 (values within +-127),
+    // and undo the lane interleaving the two packs introduce.
+    __m256i lanes[4];
+    for (int j = 0; j < 4; ++j) {
+      lanes[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + 8 * j), _mm256_set1_ps(inverse)));
+    }
+    const __m256i words = _mm256_packs_epi32(lanes[0], lanes[1]);
+    const __m256i words2 = _mm256_packs_epi32(lanes[2], lanes[3]);
+    const __m256i bytes = _mm256_packs_epi16(words, words2);
+    const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), ordered);
+#else
+    for (int64_t j = 0; j < kGroup; ++j) dst[j] = static_cast<int8_t>(std::nearbyint(src[j] * inverse));
+#endif
+    out.scales[at] = amax / 127.f;
+    out.sums[at] = sum;
+  }
+  return out;
+}
+
 #ifdef KVSERVE_AVX2
 struct Group8 {
   __m256 w[4];  // elements 0-7, 8-15, 16-23, 24-31 of the group, as floats 0..15
@@ -63,35 +119,69 @@ inline Group8 unpack_group(const uint8_t* bytes) {
   return g;
 }
 
-// x[0:32] . q as 8 partial lanes, two FMA chains.
-inline __m256 group_dot(const float* x, const Group8& g) {
-  __m256 a = _mm256_mul_ps(_mm256_loadu_ps(x), g.w[0]);
-  __m256 b = _mm256_mul_ps(_mm256_loadu_ps(x + 8), g.w[1]);
-  a = _mm256_fmadd_ps(_mm256_loadu_ps(x + 16), g.w[2], a);
-  b = _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), g.w[3], b);
-  return _mm256_add_ps(a, b);
+// A group's 32 codes as bytes: elements 0-15 in the low lane, 16-31 in the high lane.
+inline __m256i unpack_codes(const uint8_t* bytes) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
 }
 
-// One weight row against M activation rows, unpacking each group once for all rows.
+// codes . x for one group as 8 float lanes: vpmaddubsw multiplies u8 codes by s8
+// activations into int16 pairs (at most 2 x 15 x 127, no saturation), vpmaddwd sums
+// those into int32; the sums are exact and exactly representable as floats.
+inline __m256 group_dot_i8(__m256i codes, const int8_t* x) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xv), _mm256_set1_epi16(1));
+  return _mm256_cvtepi32_ps(sums);
+}
+
+// One weight row against M int8-quantized activation rows, two groups per iteration on
+// independent accumulators (one chain per group made the loop latency-bound), each
+// group's codes unpacked once for all rows.
 template <int M>
-inline void fused_row(const float* x, int64_t in, const float* xsum, int64_t groups,
-                      const uint8_t* q, const at::Half* params, float* out) {
-  __m256 acc[M];
-  float bias[M];
+inline void integer_dots(const QuantizedRows& x, int64_t first_row, const uint8_t* q,
+                      const at::Half* params, float* out) {
+  const int64_t groups = x.groups;
+  const int8_t* values = x.values.data();
+  const float* scales = x.scales.data();
+  const float* sums = x.sums.data();
+  __m256 acc[M][2];
+  float bias[M][2];
   for (int m = 0; m < M; ++m) {
-    acc[m] = _mm256_setzero_ps();
-    bias[m] = 0.f;
+    acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    bias[m][0] = bias[m][1] = 0.f;
   }
-  for (int64_t g = 0; g < groups; ++g) {
-    const Group8 w = unpack_group(q + g * kGroupBytes);
-    const __m256 d = _mm256_set1_ps(half_to_float(params[2 * g]));
-    const float minimum = half_to_float(params[2 * g + 1]);
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    // d0, m0, d1, m1 in one conversion.
+    alignas(16) float dm[4];
+    _mm_store_ps(dm, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(params + 2 * g))));
+    const __m256i c0 = unpack_codes(q + g * kGroupBytes);
+    const __m256i c1 = unpack_codes(q + (g + 1) * kGroupBytes);
     for (int m = 0; m < M; ++m) {
-      acc[m] = _mm256_fmadd_ps(d, group_dot(x + m * in + g * kGroup, w), acc[m]);
-      bias[m] += minimum * xsum[m * groups + g];
+      const int64_t at = (first_row + m) * groups + g;
+      acc[m][0] = _mm256_fmadd_ps(_mm256_set1_ps(dm[0] * scales[at]),
+                                  group_dot_i8(c0, values + at * kGroup), acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(_mm256_set1_ps(dm[2] * scales[at + 1]),
+                                  group_dot_i8(c1, values + (at + 1) * kGroup), acc[m][1]);
+      bias[m][0] += dm[1] * sums[at];
+      bias[m][1] += dm[3] * sums[at + 1];
     }
   }
-  for (int m = 0; m < M; ++m) out[m] = hsum8(acc[m]) + bias[m];
+  if (g < groups) {  // an odd group count
+    const float d = half_to_float(params[2 * g]);
+    const float minimum = half_to_float(params[2 * g + 1]);
+    const __m256i c0 = unpack_codes(q + g * kGroupBytes);
+    for (int m = 0; m < M; ++m) {
+      const int64_t at = (first_row + m) * groups + g;
+      acc[m][0] = _mm256_fmadd_ps(_mm256_set1_ps(d * scales[at]),
+                                  group_dot_i8(c0, values + at * kGroup), acc[m][0]);
+      bias[m][0] += minimum * sums[at];
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    out[m] = hsum8(_mm256_add_ps(acc[m][0], acc[m][1])) + (bias[m][0] + bias[m][1]);
+  }
 }
 
 // MR activation rows against NR dequantized weight rows (row stride in): MR x NR
@@ -123,45 +213,52 @@ inline void tile_dots_rows(const float* x, int64_t ldx, const float* w, int64_t 
 }
 #endif
 
-// Weight row n of the call as floats d * q + m (the many-row path's tile, and the
-// portable path).
+// One weight row as floats d * q + m (the many-row path's tile).
 void dequantize_row(const uint8_t* q, const at::Half* params, int64_t groups, float* out) {
   for (int64_t g = 0; g < groups; ++g) {
     const float d = half_to_float(params[2 * g]);
     const float minimum = half_to_float(params[2 * g + 1]);
     float* dst = out + g * kGroup;
+#ifdef KVSERVE_AVX2
+    const Group8 w = unpack_group(q + g * kGroupBytes);
+    for (int j = 0; j < 4; ++j) {
+      _mm256_storeu_ps(dst + 8 * j,
+                       _mm256_fmadd_ps(w.w[j], _mm256_set1_ps(d), _mm256_set1_ps(minimum)));
+    }
+#else
     unpack_group_scalar(q + g * kGroupBytes, dst);
     for (int64_t j = 0; j < kGroup; ++j) dst[j] = dst[j] * d + minimum;
+#endif
   }
 }
 
-void fused_rows(const float* x, int64_t rows, int64_t in, int64_t outs, const uint8_t* q,
+void integer_rows(const float* x, int64_t rows, int64_t in, int64_t outs, const uint8_t* q,
                 const at::Half* params, float* out) {
 #ifdef KVSERVE_AVX2
+  const QuantizedRows xq = quantize_rows(x, rows, in);
   const int64_t groups = in / kGroup;
-  std::vector<float> xsum(rows * groups);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t j = 0; j < kGroup; ++j) s += x[r * in + g * kGroup + j];
-      xsum[r * groups + g] = s;
-    }
   at::parallel_for(0, outs, 64, [&](int64_t begin, int64_t end) {
-    float dots[kFusedMaxRows];
+    float dots[kRowBlock];
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* qn = q + n * (in / 2);
       const at::Half* pn = params + n * groups * 2;
-      switch (rows) {
-        case 4: fused_row<4>(x, in, xsum.data(), groups, qn, pn, dots); break;
-        case 3: fused_row<3>(x, in, xsum.data(), groups, qn, pn, dots); break;
-        case 2: fused_row<2>(x, in, xsum.data(), groups, qn, pn, dots); break;
-        default: fused_row<1>(x, in, xsum.data(), groups, qn, pn, dots); break;
+      // Every activation row against this weight row while it is in L1: the weights
+      // stream from memory once per call whatever the row count.
+      for (int64_t r = 0; r < rows; r += kRowBlock) {
+        switch (std::min(kRowBlock, rows - r)) {
+          case 4: integer_dots<4>(xq, r, qn, pn, dots); break;
+          case 3: integer_dots<3>(xq, r, qn, pn, dots); break;
+          case 2: integer_dots<2>(xq, r, qn, pn, dots); break;
+          default: integer_dots<1>(xq, r, qn, pn, dots); break;
+        }
+        for (int64_t i = 0; i < std::min(kRowBlock, rows - r); ++i) {
+          out[(r + i) * outs + n] = dots[i];
+        }
       }
-      for (int64_t r = 0; r < rows; ++r) out[r * outs + n] = dots[r];
     }
   });
 #else
-  TORCH_CHECK(false, "the fused int4 path needs AVX2");
+  TORCH_CHECK(false, "the integer int4 path needs AVX2");
 #endif
 }
 
@@ -223,12 +320,12 @@ void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight
   const uint8_t* qp = qweight.data_ptr<uint8_t>();
   const at::Half* pp = params.data_ptr<at::Half>();
   float* op = out.data_ptr<float>();
-  bool fused = rows <= kFusedMaxRows;
+  bool integer = rows <= kIntegerMaxRows;
 #ifndef KVSERVE_AVX2
-  fused = false;
+  integer = false;
 #endif
-  if (fused) {
-    fused_rows(xp, rows, in, outs, qp, pp, op);
+  if (integer) {
+    integer_rows(xp, rows, in, outs, qp, pp, op);
   } else {
     tiled_rows(xp, rows, in, outs, qp, pp, op);
   }
