@@ -7,7 +7,9 @@ heads, 3 KV heads, head_dim 64, 30 layers, hidden 576, intermediate 1536):
   KV cache dtype; block tables are a random permutation of the pool (as a long-running
   server's are) and every call reads another layer, so the cache is cold as in a step;
 - a whole model's worth of int8 linear layers at 1-8 rows: fbgemm's dynamic-quantized
-  GEMM vs the row-major few-row kernel (``torch.ops.kvserve.int8_linear``).
+  GEMM vs the row-major few-row kernel (``torch.ops.kvserve.int8_linear``);
+- the decoder's projections (no LM head) at 1-256 rows: int8 as the engine runs it
+  (row-major kernel up to 4 rows, fbgemm beyond) vs int4 (``torch.ops.kvserve.int4_linear``).
 
     .venv/bin/python bench/bench_kernels.py
     .venv/bin/python bench/bench_kernels.py --batch 32 --context 400 --repeats 5
@@ -27,7 +29,7 @@ import torch
 from engine.model.attention import AttentionMetadata, SequenceChunk, build_metadata
 from engine.model.kernels import NativeKernels, TorchKernels
 from engine.model.kv_cache import KVPool, KVPoolLayout, PagedKVCache
-from engine.model.quant_linear import Int8Linear
+from engine.model.quant_linear import Int4Linear, Int8Linear, Linear
 from engine.model.spec import ModelSpec
 
 SMOLLM2 = ModelSpec(
@@ -121,14 +123,46 @@ def rowwise_all(layers: list[Int8Linear], inputs: dict[int, torch.Tensor]) -> No
         torch.ops.kvserve.int8_linear(out, x, *layer.rowwise)
 
 
-def bench_int8_linear(args: argparse.Namespace) -> None:
+def projection_shapes() -> list[tuple[int, int]]:
+    """(out, in) of every decoder projection of SmolLM2-135M: fused QKV, O, gate-up, down."""
     spec = SMOLLM2
-    shapes = [
+    return [
         (spec.q_size + 2 * spec.kv_size, spec.hidden_size),
         (spec.hidden_size, spec.q_size),
         (2 * spec.intermediate_size, spec.hidden_size),
         (spec.hidden_size, spec.intermediate_size),
-    ] * spec.num_layers + [(spec.vocab_size, spec.hidden_size)]
+    ] * spec.num_layers
+
+
+def call_all(layers: list[Linear], inputs: dict[int, torch.Tensor]) -> None:
+    for layer in layers:
+        layer(inputs[layer.in_features])  # type: ignore[attr-defined]
+
+
+def bench_int4_linear(args: argparse.Namespace) -> None:
+    shapes = projection_shapes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        weights = [torch.randn(o, i) for o, i in shapes]
+        int8: list[Linear] = [Int8Linear.from_dense(w, rowwise=True) for w in weights]
+        int4: list[Linear] = [Int4Linear.from_dense(w) for w in weights]
+    mb8, mb4 = (sum(layer.nbytes for layer in group) / 1e6 for group in (int8, int4))
+    print(
+        f"\ndecoder projections of one step, int8 ({mb8:.0f} MB with both copies) vs int4 "
+        f"({mb4:.0f} MB)"
+    )
+    print("| rows | int8 (engine path) | int4 | int4 speed-up |")
+    print("|---:|---:|---:|---:|")
+    for rows in (1, 2, 4, 8, 16, 32, 256):
+        inputs = {i: torch.randn(rows, i) for _, i in shapes}
+        a = median_seconds(partial(call_all, int8, inputs), args.repeats)
+        b = median_seconds(partial(call_all, int4, inputs), args.repeats)
+        print(f"| {rows} | {a * 1e3:.1f} ms | {b * 1e3:.1f} ms | {a / b:.2f}x |")
+
+
+def bench_int8_linear(args: argparse.Namespace) -> None:
+    spec = SMOLLM2
+    shapes = [*projection_shapes(), (spec.vocab_size, spec.hidden_size)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         layers = [Int8Linear.from_dense(torch.randn(o, i), rowwise=True) for o, i in shapes]
@@ -156,6 +190,7 @@ def main() -> None:
     print(f"torch threads {torch.get_num_threads()}")
     bench_attention(args)
     bench_int8_linear(args)
+    bench_int4_linear(args)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ holds the medians and the ratios to kvserve.
     python bench/compare_servers.py --servers kvserve --concurrency 1 8 32
     python bench/compare_servers.py --servers kvserve-small-kv --concurrency 32
 
-Servers: kvserve (defaults), kvserve-int8 (--quantization int8), kvserve-small-kv (a KV
+Servers: kvserve (defaults), kvserve-int8 (--quantization int8), kvserve-int4
+(--quantization int4), kvserve-small-kv (a KV
 pool too small for 32 conversations, to show preemption and swap), llamacpp (needs
 llama-cpp-python[server] in the venv given by --llamacpp-python), transformers
 (`transformers serve --continuous-batching`).
@@ -133,6 +134,7 @@ SERVERS: dict[str, ServerSpec] = {
     for spec in (
         ServerSpec("kvserve", _kvserve(())),
         ServerSpec("kvserve-int8", _kvserve(("--quantization", "int8"))),
+        ServerSpec("kvserve-int4", _kvserve(("--quantization", "int4"))),
         # ~4k tokens of KV: about 6 of 32 four-turn conversations fit at once.
         ServerSpec(
             "kvserve-small-kv",

@@ -57,12 +57,13 @@ inline void unpack_group_scalar(const uint8_t* bytes, float* q) {
 
 // Activation rows quantized per group of 32 for the integer dot products: int8 values
 // (x * 127 / max|x|, rounded to nearest even), the scale back (max|x| / 127), and the
-// group's exact float sum for the minimum term.
+// group's exact float sum for the minimum term, stored as (0, sum) pairs to line up with
+// the weights' (d, m) pairs.
 struct QuantizedRows {
   int64_t groups = 0;
-  std::vector<int8_t> values;  // [rows, in]
-  std::vector<float> scales;   // [rows, groups]
-  std::vector<float> sums;     // [rows, groups]
+  std::vector<int8_t> values;      // [rows, in]
+  std::vector<float> scales;       // [rows, groups]
+  std::vector<float> paired_sums;  // [rows, groups, 2]
 };
 
 QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in) {
@@ -70,7 +71,7 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in) {
   out.groups = in / kGroup;
   out.values.resize(rows * in);
   out.scales.resize(rows * out.groups);
-  out.sums.resize(rows * out.groups);
+  out.paired_sums.assign(rows * out.groups * 2, 0.f);
   for (int64_t at = 0; at < rows * out.groups; ++at) {
     const float* src = x + at * kGroup;
     int8_t* dst = out.values.data() + at * kGroup;
@@ -96,7 +97,7 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in) {
     for (int64_t j = 0; j < kGroup; ++j) dst[j] = static_cast<int8_t>(std::nearbyint(src[j] * inverse));
 #endif
     out.scales[at] = amax / 127.f;
-    out.sums[at] = sum;
+    out.paired_sums[2 * at + 1] = sum;
   }
   return out;
 }
@@ -137,37 +138,41 @@ inline __m256 group_dot_i8(__m256i codes, const int8_t* x) {
 
 // One weight row against M int8-quantized activation rows, two groups per iteration on
 // independent accumulators (one chain per group made the loop latency-bound), each
-// group's codes unpacked once for all rows.
+// group's codes unpacked and its (d, m) pair converted once for all rows. The minimum
+// term of both groups is one 4-lane FMA of (d0, m0, d1, m1) with (0, sum0, 0, sum1).
 template <int M>
 inline void integer_dots(const QuantizedRows& x, int64_t first_row, const uint8_t* q,
-                      const at::Half* params, float* out) {
+                         const at::Half* params, float* out) {
   const int64_t groups = x.groups;
   const int8_t* values = x.values.data();
   const float* scales = x.scales.data();
-  const float* sums = x.sums.data();
+  const float* paired = x.paired_sums.data();
   __m256 acc[M][2];
-  float bias[M][2];
+  __m128 bias[M];
   for (int m = 0; m < M; ++m) {
     acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    bias[m][0] = bias[m][1] = 0.f;
+    bias[m] = _mm_setzero_ps();
   }
   int64_t g = 0;
   for (; g + 2 <= groups; g += 2) {
-    // d0, m0, d1, m1 in one conversion.
-    alignas(16) float dm[4];
-    _mm_store_ps(dm, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(params + 2 * g))));
+    const __m128 dm =
+        _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(params + 2 * g)));
+    const __m256 d0 = _mm256_broadcastss_ps(dm);
+    const __m256 d1 = _mm256_broadcastss_ps(_mm_movehl_ps(dm, dm));
     const __m256i c0 = unpack_codes(q + g * kGroupBytes);
     const __m256i c1 = unpack_codes(q + (g + 1) * kGroupBytes);
     for (int m = 0; m < M; ++m) {
       const int64_t at = (first_row + m) * groups + g;
-      acc[m][0] = _mm256_fmadd_ps(_mm256_set1_ps(dm[0] * scales[at]),
-                                  group_dot_i8(c0, values + at * kGroup), acc[m][0]);
-      acc[m][1] = _mm256_fmadd_ps(_mm256_set1_ps(dm[2] * scales[at + 1]),
-                                  group_dot_i8(c1, values + (at + 1) * kGroup), acc[m][1]);
-      bias[m][0] += dm[1] * sums[at];
-      bias[m][1] += dm[3] * sums[at + 1];
+      const __m256 s0 = _mm256_mul_ps(group_dot_i8(c0, values + at * kGroup),
+                                      _mm256_broadcast_ss(scales + at));
+      const __m256 s1 = _mm256_mul_ps(group_dot_i8(c1, values + (at + 1) * kGroup),
+                                      _mm256_broadcast_ss(scales + at + 1));
+      acc[m][0] = _mm256_fmadd_ps(d0, s0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(d1, s1, acc[m][1]);
+      bias[m] = _mm_fmadd_ps(dm, _mm_loadu_ps(paired + 2 * at), bias[m]);
     }
   }
+  float tail[M] = {};
   if (g < groups) {  // an odd group count
     const float d = half_to_float(params[2 * g]);
     const float minimum = half_to_float(params[2 * g + 1]);
@@ -176,11 +181,13 @@ inline void integer_dots(const QuantizedRows& x, int64_t first_row, const uint8_
       const int64_t at = (first_row + m) * groups + g;
       acc[m][0] = _mm256_fmadd_ps(_mm256_set1_ps(d * scales[at]),
                                   group_dot_i8(c0, values + at * kGroup), acc[m][0]);
-      bias[m][0] += minimum * sums[at];
+      tail[m] = minimum * paired[2 * at + 1];
     }
   }
   for (int m = 0; m < M; ++m) {
-    out[m] = hsum8(_mm256_add_ps(acc[m][0], acc[m][1])) + (bias[m][0] + bias[m][1]);
+    const __m128 b = _mm_add_ps(bias[m], _mm_movehl_ps(bias[m], bias[m]));
+    const float minimum_term = _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b))) + tail[m];
+    out[m] = hsum8(_mm256_add_ps(acc[m][0], acc[m][1])) + minimum_term;
   }
 }
 
