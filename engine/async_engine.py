@@ -1,11 +1,13 @@
 """AsyncEngine: drives a single-threaded EngineCore from a background thread.
 
 The asyncio event loop never runs a model forward. All calls into the core happen on
-one engine thread: the event loop only appends adds and aborts to a locked inbox, which
-the thread drains at the start of every step, so an abort frees the request's blocks
-within one step. Deltas go back to the loop in one ``call_soon_threadsafe`` per step and
-are fanned out to one ``asyncio.Queue`` per client request (group). When there is no
-work the thread sleeps on a condition variable instead of spinning.
+one engine thread (a ``ComputeThread``: pass the one that built the engine, so that all
+torch work shares one OpenMP pool; see engine/compute_thread.py): the event loop only
+appends adds and aborts to a locked inbox, which the thread drains at the start of
+every step, so an abort frees the request's blocks within one step. Deltas go back to
+the loop in one ``call_soon_threadsafe`` per step and are fanned out to one
+``asyncio.Queue`` per client request (group). When there is no work the thread sleeps
+on a condition variable instead of spinning.
 
 If a step raises, the engine is dead: every open stream receives an ``EngineDeadError``,
 new requests are refused with it, and ``is_alive`` turns false for ``/health``.
@@ -18,9 +20,11 @@ import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.compute_thread import ComputeThread
 from engine.errors import EngineDeadError
 from engine.outputs import EngineStats, RequestDelta
 from engine.request import Request
@@ -110,6 +114,7 @@ class AsyncEngine:
         *,
         thread_name: str = "kvserve-engine",
         queue_timeout_s: float = 0.0,
+        compute: ComputeThread | None = None,
     ) -> None:
         self.core = core
         # > 0: requests never scheduled within this many seconds are failed by the core
@@ -119,17 +124,22 @@ class AsyncEngine:
         self._inbox = _Inbox()
         self._streams: dict[str, GroupStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._compute = compute
+        self._running: Future[None] | None = None  # the step loop on the compute thread
         self._dead_error: EngineDeadError | None = None
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         """Start the engine thread, bound to the running event loop."""
-        if self._thread is not None:
+        if self._running is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
-        self._thread.start()
+        owned = self._compute is None
+        if self._compute is None:
+            self._compute = ComputeThread(self._thread_name)
+        self._running = self._compute.submit(self._run)
+        if owned:
+            self._compute.close()  # the thread ends with the step loop
 
     def request_shutdown(self) -> None:
         """Abort every open stream and tell the thread to stop; returns at once.
@@ -150,8 +160,9 @@ class AsyncEngine:
 
     def join(self, timeout_s: float = 10.0) -> None:
         """Wait (bounded) for the engine thread to finish its last step and exit."""
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        if self._running is not None:
+            with contextlib.suppress(TimeoutError):
+                self._running.exception(timeout_s)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """``request_shutdown()`` then ``join()``: for callers on the loop's thread or
@@ -164,8 +175,8 @@ class AsyncEngine:
         """True while the engine thread runs and no step has failed."""
         return (
             self._dead_error is None
-            and self._thread is not None
-            and self._thread.is_alive()
+            and self._running is not None
+            and not self._running.done()
             and not self._inbox.stopping
         )
 

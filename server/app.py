@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.async_engine import AsyncEngine
+from engine.compute_thread import ComputeThread
 from server.errors import APIError, install_error_handlers
 from server.routes import chat, completions, health, models, tokenize
 from server.routes.context import ServingContext
@@ -72,9 +73,11 @@ def serving_context(
     *,
     cache_info: dict[str, str] | None = None,
     with_metrics: bool = True,
+    compute: ComputeThread | None = None,
 ) -> ServingContext:
-    """Wrap a ``BuiltEngine`` (engine.builder) into the routes' context."""
-    engine = AsyncEngine(built.core, queue_timeout_s=settings.queue_timeout_s)
+    """Wrap a ``BuiltEngine`` (engine.builder) into the routes' context; ``compute`` is
+    the thread that built it, on which the engine then steps (engine/compute_thread.py)."""
+    engine = AsyncEngine(built.core, queue_timeout_s=settings.queue_timeout_s, compute=compute)
     names = settings.served_model_names or (built.model_name,)
     metrics = _make_metrics(built, engine, names[0], cache_info) if with_metrics else None
     return ServingContext(

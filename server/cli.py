@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from types import FrameType
 
+from engine.compute_thread import ComputeThread
 from engine.config import ADMISSION_POLICIES, PREEMPTION_MODES, EngineArgs
 from server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
 
@@ -164,15 +165,19 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     from engine.builder import build_engine
 
+    # Built on the thread that will step it: one OpenMP pool (engine/compute_thread.py).
+    compute = ComputeThread()
     try:
-        built = build_engine(engine_args)
+        built = compute.call(build_engine, engine_args)
     except (ValueError, FileNotFoundError) as exc:  # bad flags or paths: say which
         print(f"kvserve: {exc}", file=sys.stderr)
         return 2
-    return _run_uvicorn(built, engine_args, settings)
+    return _run_uvicorn(built, engine_args, settings, compute)
 
 
-def _run_uvicorn(built: object, engine_args: EngineArgs, settings: ServerSettings) -> int:
+def _run_uvicorn(
+    built: object, engine_args: EngineArgs, settings: ServerSettings, compute: ComputeThread
+) -> int:
     import uvicorn
 
     from server.app import build_app, serving_context
@@ -183,7 +188,7 @@ def _run_uvicorn(built: object, engine_args: EngineArgs, settings: ServerSetting
         "preemption_mode": engine_args.preemption_mode,
         "admission_policy": engine_args.admission_policy,
     }
-    ctx = serving_context(built, settings, cache_info=cache_info)
+    ctx = serving_context(built, settings, cache_info=cache_info, compute=compute)
     app = build_app(ctx)
     config = uvicorn.Config(
         app,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from engine.async_engine import AsyncEngine
+from engine.compute_thread import ComputeThread
 from engine.errors import EngineDeadError, RequestRejected
 from engine.outputs import EngineStats, PoolStats, RequestDelta
 from engine.request import FinishReason, Request, SamplingParams
@@ -108,6 +109,31 @@ def test_generate_streams_every_choice_until_finished():
     assert sorted(d.index for d in deltas if d.finished) == [0, 1, 2]
     # Steps ran on the engine thread, never on the event loop's thread.
     assert core.step_threads == {"kvserve-engine"}
+
+
+def test_steps_run_on_the_compute_thread_it_is_given():
+    """The server builds the engine on a ComputeThread and steps it there (one OpenMP
+    pool); the loop shares the thread with whatever ran before it."""
+    core = ScriptedCore()
+    compute = ComputeThread("kvserve-built-here")
+    builder_thread = compute.call(lambda: threading.current_thread().name)
+
+    async def body(engine: AsyncEngine) -> int:
+        return len([d async for d in engine.generate(group("g", n=2, max_tokens=3))])
+
+    async def run() -> int:
+        engine = AsyncEngine(core, compute=compute)
+        await engine.start()
+        try:
+            return await asyncio.wait_for(body(engine), timeout=10)
+        finally:
+            engine.request_shutdown()
+            await asyncio.to_thread(engine.join)
+
+    assert asyncio.run(run()) == 6
+    assert core.step_threads == {builder_thread} == {"kvserve-built-here"}
+    assert compute.call(lambda: "still serving") == "still serving"
+    compute.close()
 
 
 def test_rejection_reaches_the_caller_and_leaves_nothing_behind():
