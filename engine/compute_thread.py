@@ -4,7 +4,8 @@ Why one thread: OpenMP (libgomp, which torch and kvserve's CPU kernels use) keep
 worker pool per thread that starts parallel regions, and once more workers exist than
 CPUs it stops spin-waiting between regions. Building the model on the main thread and
 stepping it on another left two pools on a two-core machine, and every kernel call then
-waited for sleeping workers to wake: a batch-1 decode step took 28 ms instead of 13 ms.
+waited for sleeping workers to wake: a batch-1 int8 decode step took 40-54 ms instead
+of 15 ms (bench/bench_engine_thread.py).
 Running the build and the step loop on the same thread keeps a single pool.
 """
 
