@@ -168,7 +168,7 @@ def build_report(args: argparse.Namespace) -> PlanReport:
     _check_quantization(args.quantization, device, args.kernels)
     # Planning never compiles anything: auto is assumed to get the native kernels, as it
     # does wherever g++ is present (if not, the server holds fewer weight bytes than this).
-    rowwise = args.quantization == "int8" and args.kernels != "torch"
+    rowwise = args.kernels != "torch"  # as the builder: native kernels, row-major int8 copies
     weight_bytes = weight_bytes_for(facts, dtype, args.quantization, rowwise=rowwise)
     activation = _activation_reserve(args, facts, dtype)
     if args.memory is not None:  # as serve: on CUDA only a fraction of the device is used
@@ -324,7 +324,8 @@ def weight_bytes_for(
     channel, biases and the rest (embedding, norms) still in ``dtype``; ``rowwise`` adds the
     native kernels' second copy (one byte per weight, a float32 scale per channel). With
     int4 the decoder's projections take half a byte per weight plus a float16 scale and
-    minimum per group of 32, and the LM head is int8 with its row-major copy."""
+    minimum per group of 32 and the LM head is int8 (int4 needs the native kernels, so
+    callers pass ``rowwise``)."""
     if quantization == "none":
         return facts.num_parameters * DTYPE_BYTES[dtype]
     from engine.model.quant_linear import (
@@ -341,7 +342,6 @@ def weight_bytes_for(
         int8_parameters, int8_channels = facts.vocab_size * facts.hidden_size, facts.vocab_size
         projections = facts.linear_parameters - int8_parameters
         total += projections // 2 + projections // INT4_GROUP * INT4_GROUP_OVERHEAD_BYTES
-        rowwise = True  # int4 runs on the native kernels, which give the head its copy
     total += int8_parameters + int8_channels * INT8_CHANNEL_OVERHEAD_BYTES
     if rowwise:
         total += int8_parameters + int8_channels * ROWWISE_CHANNEL_BYTES

@@ -31,7 +31,11 @@ from engine.model.quant_linear import (
     quantize_weights,
 )
 from tests.model.engine_helpers import greedy, run_all, smollm_chat_prompt, smollm_greedy_answer
-from tests.model.test_weight_quant import parse_plan, prefill_and_decode_logits
+from tests.model.test_weight_quant import (
+    assert_logits_close,
+    parse_plan,
+    prefill_and_decode_logits,
+)
 
 pytestmark = pytest.mark.skipif(not load_native_ops(), reason="int4 needs the native kernels")
 
@@ -148,12 +152,7 @@ def test_int4_logits_stay_close_to_float32(tiny_llama_factory, kernels, shape):
     model = model_from_reference(reference).replace(kernels=kernels)
     exact = prefill_and_decode_logits(model)
     approx = prefill_and_decode_logits(int4_model(model))
-    relative = ((approx - exact).norm() / exact.norm()).item()
-    assert 0 < relative < RELATIVE_ERROR_BOUND, relative
-    error, spread = (approx - exact).abs().max().item(), exact.std().item()
-    assert error < MAX_ERROR_BOUND * spread, (error, spread)
-    agree = (approx.argmax(-1) == exact.argmax(-1)).float().mean().item()
-    assert agree >= TOP1_AGREEMENT, agree
+    assert_logits_close(approx, exact, RELATIVE_ERROR_BOUND, MAX_ERROR_BOUND, TOP1_AGREEMENT)
 
 
 def test_int4_model_stays_close_to_a_dense_model_of_its_dequantized_weights(

@@ -75,12 +75,21 @@ def test_int8_logits_stay_close_to_float32(tiny_llama_factory, shape):
     model = model_from_reference(reference)
     exact = prefill_and_decode_logits(model)
     approx = prefill_and_decode_logits(int8_model(model))
+    assert_logits_close(approx, exact, RELATIVE_ERROR_BOUND, MAX_ERROR_BOUND, TOP1_AGREEMENT)
+
+
+def assert_logits_close(
+    approx: torch.Tensor, exact: torch.Tensor, relative_bound: float, max_bound: float, top1: float
+) -> None:
+    """Quantized logits differ from exact ones (not equal), by less than ``relative_bound``
+    in norm and ``max_bound`` x their spread anywhere, and agree on the top token at least
+    ``top1`` of the time."""
     relative = ((approx - exact).norm() / exact.norm()).item()
-    assert 0 < relative < RELATIVE_ERROR_BOUND, relative
+    assert 0 < relative < relative_bound, relative
     error, spread = (approx - exact).abs().max().item(), exact.std().item()
-    assert error < MAX_ERROR_BOUND * spread, (error, spread)
+    assert error < max_bound * spread, (error, spread)
     agree = (approx.argmax(-1) == exact.argmax(-1)).float().mean().item()
-    assert agree >= TOP1_AGREEMENT, agree
+    assert agree >= top1, agree
 
 
 def test_int8_linear_matches_dense_with_bias_and_keeps_the_input_dtype():

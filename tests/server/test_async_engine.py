@@ -88,8 +88,8 @@ def group(group_id: str, n: int = 1, max_tokens: int = 3) -> list[Request]:
     ]
 
 
-async def run_with(core: ScriptedCore, body):  # type: ignore[no-untyped-def]
-    engine = AsyncEngine(core)
+async def run_with(core: ScriptedCore, body, compute: ComputeThread | None = None):  # type: ignore[no-untyped-def]
+    engine = AsyncEngine(core, compute=compute)
     await engine.start()
     try:
         return await asyncio.wait_for(body(engine), timeout=10)
@@ -121,16 +121,7 @@ def test_steps_run_on_the_compute_thread_it_is_given():
     async def body(engine: AsyncEngine) -> int:
         return len([d async for d in engine.generate(group("g", n=2, max_tokens=3))])
 
-    async def run() -> int:
-        engine = AsyncEngine(core, compute=compute)
-        await engine.start()
-        try:
-            return await asyncio.wait_for(body(engine), timeout=10)
-        finally:
-            engine.request_shutdown()
-            await asyncio.to_thread(engine.join)
-
-    assert asyncio.run(run()) == 6
+    assert asyncio.run(run_with(core, body, compute)) == 6
     assert core.step_threads == {builder_thread} == {"kvserve-built-here"}
     assert compute.call(lambda: "still serving") == "still serving"
     compute.close()

@@ -91,4 +91,12 @@ inline void check_cpu_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+// The linear kernels' activations in and results out: contiguous float32 on the CPU.
+inline void check_float_rows(const at::Tensor& out, const at::Tensor& x) {
+  check_cpu_contiguous(out, "out");
+  check_cpu_contiguous(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "x and out must be float32");
+}
+
 }  // namespace kvserve

@@ -305,12 +305,9 @@ void tiled_rows(const float* x, int64_t rows, int64_t in, int64_t outs, const ui
 
 void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                  const at::Tensor& params) {
-  check_cpu_contiguous(out, "out");
-  check_cpu_contiguous(x, "x");
+  check_float_rows(out, x);
   check_cpu_contiguous(qweight, "qweight");
   check_cpu_contiguous(params, "params");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "x and out must be float32");
   TORCH_CHECK(qweight.scalar_type() == at::kByte, "qweight must be uint8");
   TORCH_CHECK(params.scalar_type() == at::kHalf, "params must be float16");
   const int64_t rows = x.size(0);

@@ -72,11 +72,9 @@ inline float dot_f32_i8_any(const float* x, const int8_t* w, int64_t n) {
 // rows and applies every activation row to a weight row while it is in L1.
 void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                  const at::Tensor& scales) {
-  check_cpu_contiguous(out, "out");
-  check_cpu_contiguous(x, "x");
+  check_float_rows(out, x);
   check_cpu_contiguous(weight, "weight");
   check_cpu_contiguous(scales, "scales");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "x and out must be float32");
   TORCH_CHECK(weight.scalar_type() == at::kChar, "weight must be int8");
   TORCH_CHECK(scales.scalar_type() == at::kFloat, "scales must be float32");
   const int64_t rows = x.size(0);
