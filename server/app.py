@@ -104,6 +104,9 @@ def _make_metrics(
     info = {
         "block_size": str(stats.block_size),
         "num_device_blocks": str(stats.device_blocks.total),
+        # The same count under the label the Gateway API Inference Extension's picker and
+        # vLLM use (server/gateway_protocol.py).
+        "num_gpu_blocks": str(stats.device_blocks.total),
         "num_host_blocks": str(stats.host_blocks.total),
         "kv_cache_dtype": str(built.kv_shape.kv_dtype),
         "max_model_len": str(built.max_model_len),
