@@ -242,6 +242,7 @@ def prometheus_expression(expr: str) -> str:
     """Grafana variables -> concrete values; comparisons -> `bool` so non-firing alert
     expressions still return their series."""
     expr = expr.replace("$__rate_interval", "15s").replace('=~"$model"', '=~".*"')
+    expr = expr.replace('=~"$instance"', '=~".*"')
     return re.sub(r" (==|!=|>=|<=|>|<) (?!bool)", r" \1 bool ", expr)
 
 

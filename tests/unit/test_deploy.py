@@ -168,7 +168,7 @@ def test_hpa_scales_the_deployment_on_the_adapter_metric() -> None:
     # The Kubernetes scrape job keeps exactly those labels for the adapter.
     scrape = load_yaml(PROMETHEUS / "kubernetes-scrape.yml")["scrape_configs"][0]
     targets = {c.get("target_label") for c in scrape["relabel_configs"]}
-    assert {"namespace", "pod"} <= targets
+    assert {"namespace", "pod", "instance"} <= targets
 
 
 # --- Prometheus ------------------------------------------------------------------------
@@ -267,6 +267,31 @@ def test_dashboard_is_valid_and_covers_the_required_panels() -> None:
         used = set(re.findall(r"\$(\w+)", expr)) - {"__rate_interval"}
         assert used <= variables, expr
         assert 'model_name=~"$model"' in expr, expr
+        assert 'instance=~"$instance"' in expr, expr
+    instance = next(v for v in dashboard["templating"]["list"] if v["name"] == "instance")
+    assert "instance" in instance["definition"]
+    for panel in panels:
+        for target in panel["targets"]:
+            # A series per pod is labelled by the pod (instance is its name in Kubernetes).
+            if re.search(r"by \((le, )?instance", target["expr"]) or "sum" not in target["expr"]:
+                assert "{{instance}}" in target["legendFormat"], (panel["title"], target)
+        units = {panel["fieldConfig"]["defaults"].get("unit")}
+        units |= {
+            prop["value"]
+            for override in panel["fieldConfig"].get("overrides", [])
+            for prop in override["properties"]
+            if prop["id"] == "unit"
+        }
+        axes = {
+            prop["value"]
+            for override in panel["fieldConfig"].get("overrides", [])
+            for prop in override["properties"]
+            if prop["id"] == "custom.axisPlacement"
+        }
+        # A second unit in one panel gets an axis of its own.
+        assert len(units) == 1 or axes, panel["title"]
+    (throughput,) = [p for p in panels if "token throughput" in p["title"].lower()]
+    assert throughput["fieldConfig"]["defaults"]["unit"] == "suffix: tokens/s"
 
 
 def test_grafana_provisioning_matches_compose_mounts() -> None:

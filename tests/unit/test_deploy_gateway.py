@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 GATEWAY = ROOT / "deploy" / "gateway"
 CRDS = GATEWAY / "crds"
 DEPLOYMENT = ROOT / "deploy" / "kubernetes" / "deployment.yaml"
-CORE_GROUPS = ("v1", "apps/v1", "rbac.authorization.k8s.io/v1")
+CORE_GROUPS = ("v1", "apps/v1", "rbac.authorization.k8s.io/v1", "networking.k8s.io/v1")
 # Gateway API's own CRDs (Gateway, HTTPRoute; 135 KB for HTTPRoute alone) are not vendored:
 # no PyPI or npm package ships them, and copying them by hand from stored repository copies
 # was out of this change's time. Those two are checked by the wiring tests below only.
