@@ -6,13 +6,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-from loadtest.config import SLO, LengthDist, LoadTestConfig
-from loadtest.plot import plot_report
+from loadtest import cli_types as types
+from loadtest.config import SLO, LoadTestConfig
 from loadtest.report import build_result, format_summary, write_json
 from loadtest.runner import run_loadtest
+
+PNG_DEFAULT = Path("loadtest-out/report.png")
+MATPLOTLIB_HINT = "pip install 'kvserve[loadtest]' (or pip install matplotlib)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,77 +26,140 @@ def build_parser() -> argparse.ArgumentParser:
         "conversations; each turn re-sends the whole history plus a new user message.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    target = parser.add_argument_group("target")
-    target.add_argument("--url", default="http://127.0.0.1:8000", help="server root URL")
-    target.add_argument("--model", default=None, help="model name (default: first listed)")
-    target.add_argument("--api-key", default=None, help="sent as a Bearer token")
-    load = parser.add_argument_group("load")
-    load.add_argument(
+    _target_options(parser.add_argument_group("target"))
+    _load_options(parser.add_argument_group("load"))
+    _bound_options(parser.add_argument_group("bounds"))
+    _report_options(parser.add_argument_group("report"))
+    return parser
+
+
+def _target_options(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--url", type=types.url, default="http://127.0.0.1:8000", help="server root URL"
+    )
+    group.add_argument("--model", default=None, help="model name (unset: the first of /v1/models)")
+    group.add_argument("--api-key", default=None, help="sent as a Bearer token (unset: no header)")
+
+
+def _load_options(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
         "-c",
         "--concurrency",
-        type=int,
+        type=types.int_at_least(1),
         default=8,
         help="conversations at once (Poisson mode: most open at once)",
     )
-    load.add_argument("-t", "--turns", type=int, default=4, help="turns per conversation")
-    load.add_argument(
+    group.add_argument(
+        "-t", "--turns", type=types.int_at_least(1), default=4, help="turns per conversation"
+    )
+    group.add_argument(
         "-n",
         "--num-conversations",
-        type=int,
+        type=types.int_at_least(1),
         default=None,
-        help="conversations in total (default: --concurrency)",
+        help="conversations in total (unset: --concurrency)",
     )
-    load.add_argument(
+    group.add_argument(
         "--request-rate",
-        type=float,
+        type=types.number(above=0),
         default=None,
-        help="Poisson arrivals at this many requests/s instead of a closed loop",
+        help="Poisson arrivals at this many requests/s (unset: a closed loop)",
     )
-    load.add_argument(
+    group.add_argument(
         "--user-len",
-        type=LengthDist.parse,
-        default=LengthDist(),
+        type=types.length,
+        default="64",
         help="words per user message: N, uniform:MEAN:HALF_WIDTH or lognormal:MEDIAN:SIGMA",
     )
-    load.add_argument(
+    group.add_argument(
         "--system-prompt-len",
-        type=int,
+        type=types.int_at_least(0),
         default=0,
         help="words of a system prompt shared by all conversations",
     )
-    load.add_argument("--max-tokens", type=int, default=64, help="max_tokens per reply")
-    load.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens")
-    load.add_argument("--temperature", type=float, default=0.0)
-    load.add_argument("--think-time", type=float, default=0.0, help="seconds between turns")
-    load.add_argument(
+    group.add_argument(
+        "--max-tokens", type=types.int_at_least(1), default=64, help="max_tokens per reply"
+    )
+    group.add_argument(
+        "--ignore-eos", action="store_true", help="ask for exactly max_tokens (vLLM extension)"
+    )
+    group.add_argument(
+        "--temperature", type=types.number(at_least=0), default=0.0, help="sampling temperature"
+    )
+    group.add_argument(
+        "--think-time", type=types.number(at_least=0), default=0.0, help="seconds between turns"
+    )
+    group.add_argument(
         "--ramp-up",
-        type=float,
+        type=types.number(at_least=0),
         default=0.0,
         help="seconds over which the closed-loop conversations start",
     )
-    load.add_argument("--seed", type=int, default=0)
-    bounds = parser.add_argument_group("bounds")
-    bounds.add_argument(
-        "--duration", type=float, default=None, help="stop sending after this many seconds"
+    group.add_argument(
+        "--seed", type=int, default=0, help="seed of prompts, lengths, arrivals and sampling"
     )
-    bounds.add_argument("--max-requests", type=int, default=None)
-    bounds.add_argument(
+
+
+def _bound_options(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--duration",
+        type=types.number(above=0),
+        default=None,
+        help="stop sending after this many seconds (unset: when the conversations end)",
+    )
+    group.add_argument(
+        "--max-requests",
+        type=types.int_at_least(1),
+        default=None,
+        help="stop after sending this many requests (unset: no limit)",
+    )
+    group.add_argument(
         "--drain-timeout",
-        type=float,
+        type=types.number(at_least=0),
         default=30.0,
         help="seconds in-flight requests get after --duration",
     )
-    bounds.add_argument("--request-timeout", type=float, default=600.0)
-    report = parser.add_argument_group("report")
-    report.add_argument("--slo-ttft", type=float, default=1.2, help="goodput TTFT bound, s")
-    report.add_argument("--slo-itl", type=float, default=0.2, help="goodput ITL bound, s")
-    report.add_argument(
-        "--scrape-interval", type=float, default=1.0, help="seconds between /metrics scrapes"
+    group.add_argument(
+        "--request-timeout",
+        type=types.number(above=0),
+        default=600.0,
+        help="seconds one request may take before it counts as failed",
     )
-    report.add_argument("--json", type=Path, default=Path("loadtest-out/result.json"))
-    report.add_argument("--png", type=Path, default=Path("loadtest-out/report.png"))
-    report.add_argument("--no-progress", action="store_true", help="no progress line")
-    return parser
+
+
+def _report_options(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--slo-ttft", type=types.number(above=0), default=1.2, help="goodput TTFT bound, s"
+    )
+    group.add_argument(
+        "--slo-itl", type=types.number(above=0), default=0.2, help="goodput ITL bound, s"
+    )
+    group.add_argument(
+        "--scrape-interval",
+        type=types.number(above=0),
+        default=1.0,
+        help="seconds between /metrics scrapes",
+    )
+    group.add_argument(
+        "--json", type=Path, default=Path("loadtest-out/result.json"), help="result JSON path"
+    )
+    group.add_argument(
+        "--png",
+        type=Path,
+        default=None,
+        help=f"PNG report path (unset: {PNG_DEFAULT} when matplotlib is installed, else no "
+        f"PNG; an explicit --png without matplotlib is an error: {MATPLOTLIB_HINT})",
+    )
+    group.add_argument("--no-progress", action="store_true", help="no progress line")
+
+
+def load_plotter() -> Callable[[dict[str, Any], Path], None] | None:
+    """``plot_report``, or None without matplotlib (it is the `loadtest` extra only)."""
+    try:
+        from loadtest.plot import plot_report
+    except ImportError:
+        return None
+    return plot_report
 
 
 def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
@@ -129,12 +196,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    plotter = load_plotter()
+    if plotter is None and args.png is not None:
+        parser.error(f"--png needs matplotlib: {MATPLOTLIB_HINT}")
     result = asyncio.run(run_loadtest(config, progress=not args.no_progress))
     document = build_result(result)
     write_json(document, args.json)
-    plot_report(document, args.png)
     print(format_summary(document))
-    print(f"wrote {args.json} and {args.png}")
+    if plotter is None:
+        print(f"wrote {args.json} (no PNG report: matplotlib is missing; {MATPLOTLIB_HINT})")
+    else:
+        png = args.png or PNG_DEFAULT
+        plotter(document, png)
+        print(f"wrote {args.json} and {png}")
     return 0 if document["summary"]["requests"]["completed"] > 0 else 1
 
 

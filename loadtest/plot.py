@@ -1,13 +1,16 @@
 """The one-page PNG report (matplotlib, Agg backend: no display needed).
 
 Top row, over time: KV cache usage, requests running/waiting/swapped, output throughput.
-Bottom row: TTFT and inter-token latency distributions, and the server's preemption,
-swap and prefix-cache counters over time. Panels without data say so instead of vanishing.
+Bottom row: TTFT and inter-token latency distributions (ITL on a log axis: its tail spans
+orders of magnitude), and the server's preemption and swap counters (left axis) beside
+prefix-cache hit tokens (right axis: tokens, not events). Panels without data say so
+instead of vanishing. The title names the model and the load, not the server's address.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # the Agg backend is chosen above, before pyplot loads
 from matplotlib.axes import Axes
+from matplotlib.figure import Figure
 
 from loadtest.stats import percentile
 
@@ -81,14 +85,23 @@ def _throughput_panel(ax: Axes, series: Sequence[dict[str, float]]) -> None:
     ax.plot([p["t"] for p in series], [p["output_tokens_per_s"] for p in series])
 
 
-def _histogram(ax: Axes, values_s: Sequence[float], title: str) -> None:
+def _histogram(ax: Axes, values_s: Sequence[float], title: str, log: bool = False) -> None:
     ax.set_title(title)
-    ax.set_xlabel("ms")
+    ax.set_xlabel("ms (log scale)" if log else "ms")
+    ax.set_ylabel("count")
     if not values_s:
         _no_data(ax, "no samples")
         return
     values_ms = [v * 1000 for v in values_s]
-    ax.hist(values_ms, bins=min(50, max(5, len(values_ms) // 4)))
+    count = min(50, max(5, len(values_ms) // 4))
+    positive = [v for v in values_ms if v > 0]
+    if log and positive and max(positive) > min(positive):
+        low, high = math.log10(min(positive)), math.log10(max(positive))
+        bins: Any = [10 ** (low + (high - low) * i / count) for i in range(count + 1)]
+        ax.hist(positive, bins=bins)
+        ax.set_xscale("log")
+    else:
+        ax.hist(values_ms, bins=count)
     for q, style in ((50, "--"), (99, ":")):
         mark = percentile(values_ms, q) or 0.0
         ax.axvline(mark, color="black", linestyle=style, label=f"p{q} {mark:.0f} ms")
@@ -96,26 +109,40 @@ def _histogram(ax: Axes, values_s: Sequence[float], title: str) -> None:
 
 
 def _events_panel(ax: Axes, samples: Samples) -> None:
-    ax.set_title("Preemptions, swaps, prefix hits (increase)")
+    ax.set_title("Preemptions and swaps; prefix-cache hits (since start)")
     ax.set_xlabel("time (s)")
+    ax.set_ylabel("preemptions, blocks swapped")
     drawn = [
         _counter_series(ax, samples, key, label)
         for key, label in (
             ("preemptions_total", "preemptions"),
             ("blocks_swapped_out_total", "blocks swapped out"),
             ("blocks_swapped_in_total", "blocks swapped in"),
-            ("prefix_cache_hits_total", "prefix-cache hit tokens"),
         )
     ]
-    if any(drawn):
-        ax.set_yscale("symlog")
-        ax.legend(loc="upper left", fontsize="small")
-    else:
+    tokens = ax.twinx()
+    tokens.set_ylabel("prefix-cache hit tokens")
+    hits = _counter_series(tokens, samples, "prefix_cache_hits_total", "prefix-cache hit tokens")
+    for line in tokens.get_lines():
+        line.set_color("tab:purple")
+        line.set_linestyle("--")
+    if not any(drawn) and not hits:
         _no_data(ax, "no preemption/swap/prefix metrics")
+        return
+    handles = ax.get_lines() + tokens.get_lines()
+    ax.legend(handles, [h.get_label() for h in handles], loc="upper left", fontsize="small")
 
 
 def plot_report(document: dict[str, Any], path: Path) -> None:
     """Draw the report of a run's JSON document into ``path`` (PNG)."""
+    fig = draw_report(document)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def draw_report(document: dict[str, Any]) -> Figure:
+    """The report's figure (the caller saves and closes it)."""
     samples = document["timeseries"]["server_metrics"]
     latency_records = [r for r in document["requests"] if r["status"] in ("ok", "cancelled")]
     ttfts = [r["ttft"] for r in latency_records if r["ttft"] is not None]
@@ -125,16 +152,14 @@ def plot_report(document: dict[str, Any], path: Path) -> None:
     _queue_panel(axes[0][1], samples)
     _throughput_panel(axes[0][2], document["timeseries"]["throughput"])
     _histogram(axes[1][0], ttfts, "Time to first token")
-    _histogram(axes[1][1], itls, "Inter-token latency")
+    _histogram(axes[1][1], itls, "Inter-token latency", log=True)
     _events_panel(axes[1][2], samples)
     summary = document["summary"]
     fig.suptitle(
-        f"{document['target']['model']} @ {document['target']['url']}  |  "
+        f"{document['target']['model']}  |  "
         f"{document['config']['concurrency']} conversations x {document['config']['turns']} turns"
         f"  |  {summary['throughput']['output_tokens_per_s']:.1f} out tok/s  |  "
         f"{summary['requests']['completed']} ok, {summary['requests']['failed']} failed"
     )
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    return fig
