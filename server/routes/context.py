@@ -27,6 +27,9 @@ class ServingContext:
     settings: ServerSettings
     metrics: ServerMetrics | None = None
     created: int = 0  # unix time the model was loaded, for /v1/models
+    # engine.structured.GrammarCompiler: compile structured-output specs off the event
+    # loop (asyncio.to_thread) before submitting; None when the engine has none.
+    grammar_compiler: Any = None
 
     @property
     def model_name(self) -> str:
