@@ -27,6 +27,8 @@ class ServingContext:
     settings: ServerSettings
     metrics: ServerMetrics | None = None
     created: int = 0  # unix time the model was loaded, for /v1/models
+    # The startup log's totals and KV shape, for the block-map page (server/ui/facts.py).
+    startup_facts: dict[str, Any] | None = None
 
     @property
     def model_name(self) -> str:
