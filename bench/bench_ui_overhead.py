@@ -7,8 +7,12 @@ neither state always runs second) -- each phase with its own prompts (seed), and
 the median output tok/s of each state. In the first open phase it saves a screenshot of
 the page under load.
 
-    python bench/bench_ui_overhead.py --repeats 2 --out bench/results/ui \
+    python bench/bench_ui_overhead.py --repeats 2 --duration 50 --out bench/results/ui \
         --screenshot docs/ui-block-map.png
+
+``--url`` measures an already running server instead of starting one; ``--duration``
+bounds each phase (the load test's own --duration, with a 5 s drain) so that a slow
+machine still gets several phases.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ def run_phase(url: str, args: argparse.Namespace, seed: int, out: Path) -> subpr
     cmd += ["-t", str(args.turns), "--max-tokens", str(args.max_tokens), "--ignore-eos"]
     cmd += ["--seed", str(seed), "--json", str(out / f"phase-{seed}.json")]
     cmd += ["--png", str(out / f"phase-{seed}.png"), "--no-progress"]
+    if args.duration:
+        cmd += ["--duration", str(args.duration), "--drain-timeout", "5"]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -101,11 +107,17 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=Path("bench/results/ui"))
     parser.add_argument("--screenshot", type=Path, default=None)
+    parser.add_argument("--url", default=None, help="a running server (default: start one)")
+    parser.add_argument("--duration", type=float, default=None, help="seconds per phase")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = start_server(port, args.model, args.out / "server.log")
+    server = None
+    if args.url:
+        url = args.url
+    else:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        server = start_server(port, args.model, args.out / "server.log")
     driver = open_browser()
     results: list[dict[str, Any]] = []
     shot_taken = args.screenshot is None
@@ -139,8 +151,9 @@ def main() -> int:
             print(f"phase {seed} page {state:6s} {tps:7.1f} out tok/s  load {load:.1f}", flush=True)
     finally:
         driver.quit()
-        server.terminate()
-        server.wait(60)
+        if server is not None:
+            server.terminate()
+            server.wait(60)
     medians = {
         s: statistics.median(r["output_tok_s"] for r in results if r["page"] == s)
         for s in ("closed", "open")

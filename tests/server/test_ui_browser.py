@@ -28,7 +28,8 @@ KEY = "browser-key-31c"
 SHARED_PROMPT = "Once upon a time in a land of paged attention and shared prefixes, " * 6
 NUM_STREAMS = 6
 
-pytestmark = pytest.mark.slow
+# Building the tiny model dominates on a loaded machine; the page checks take about a minute.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
 def _require_browser() -> None:
@@ -198,11 +199,15 @@ def test_block_map_page_under_load(locked_server: LiveServer, browser: Any) -> N
         assert len(named) >= 2, hover_text  # shared: at least two holders
         assert "tokens" in hover_text
 
-        # 3. Clicking a request highlights it.
-        row = browser.find_element(By.CSS_SELECTOR, "#requests tbody tr[data-state=running]")
-        row.click()
-        selected = browser.execute_script("return kvui.state.selected")
-        assert selected == row.get_attribute("data-id")
+        # 3. Clicking a request highlights it (the row survives the next re-render).
+        clicked = click_a_running_row(browser, By)
+        assert browser.execute_script("return kvui.state.selected") == clicked
+        wait_until(
+            browser,
+            "const r = document.querySelector('#requests tbody tr.selected');"
+            f"return r !== null && r.dataset.id === {clicked!r} && "
+            f"Number(document.body.dataset.seq) > 0;",
+        )
 
         # 4. The live counts match /metrics within one update.
         check_counts_against_metrics(browser, url)
@@ -229,6 +234,20 @@ def hover_a_shared_block(driver: Any, action_chains: Any, by: Any) -> str:
         if tooltip.is_displayed() and "shared" in text:
             return text
     raise AssertionError("no hover text for a shared block")
+
+
+def click_a_running_row(driver: Any, by: Any) -> str:
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    for _ in range(20):  # the table is re-rendered on every snapshot
+        try:
+            row = driver.find_element(by.CSS_SELECTOR, "#requests tbody tr[data-state=running]")
+            request_id: str = row.get_attribute("data-id")
+            row.click()
+            return request_id
+        except StaleElementReferenceException:
+            continue
+    raise AssertionError("could not click a running request's row")
 
 
 def check_counts_against_metrics(driver: Any, url: str) -> None:
