@@ -113,6 +113,8 @@ class BlockMapHub:
         return max(self._min_interval_s, capture_s / self._max_engine_share)
 
     def _broadcast(self, data: bytes) -> None:
+        if not self._watchers:  # the last page left while the capture ran
+            return
         self.snapshots_sent += 1
         for watcher in self._watchers:
             watcher.offer(data)
