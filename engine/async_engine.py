@@ -22,7 +22,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from engine.compute_thread import ComputeThread
 from engine.errors import EngineDeadError
@@ -30,6 +30,8 @@ from engine.outputs import EngineStats, RequestDelta
 from engine.request import Request
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class CoreLike(Protocol):
@@ -49,16 +51,23 @@ class _AddCommand:
 
 
 @dataclass
+class _ProbeCommand:
+    fn: Callable[[Any], Any]
+    result: asyncio.Future[Any]
+
+
+@dataclass
 class _Inbox:
     """Work handed from the event loop to the engine thread, guarded by ``cond``."""
 
     cond: threading.Condition = field(default_factory=threading.Condition)
     adds: list[_AddCommand] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
+    probes: list[_ProbeCommand] = field(default_factory=list)
     stopping: bool = False
 
     def has_work(self) -> bool:
-        return bool(self.adds or self.aborts)
+        return bool(self.adds or self.aborts or self.probes)
 
 
 class GroupStream:
@@ -233,6 +242,22 @@ class AsyncEngine:
         finally:
             stream.close()
 
+    def probe(self, fn: Callable[[Any], T]) -> asyncio.Future[T]:
+        """Run ``fn(core)`` on the engine thread between two steps; its result (or
+        exception) arrives through the returned future. For observers that need a
+        consistent read of scheduler state (the block-map page): ``fn`` must not mutate
+        anything and must be quick, since the next step waits for it. Call it on the
+        event loop's thread. Raises ``EngineDeadError`` when the engine is not running."""
+        if self._loop is None:
+            raise EngineDeadError("the engine is not running")
+        result: asyncio.Future[T] = self._loop.create_future()
+        with self._inbox.cond:
+            if self._dead_error is not None or self._inbox.stopping:
+                raise self._dead_error or EngineDeadError("the engine is shutting down")
+            self._inbox.probes.append(_ProbeCommand(fn, result))
+            self._inbox.cond.notify()
+        return result
+
     def abort(self, group_id: str) -> None:
         """Abort a group (thread-safe); its blocks are freed at the next step."""
         self._release(group_id, abort=True)
@@ -259,8 +284,11 @@ class AsyncEngine:
             self._dead_error = EngineDeadError(f"engine failed: {type(exc).__name__}: {exc}")
             with self._inbox.cond:
                 adds, self._inbox.adds = self._inbox.adds, []
+                probes, self._inbox.probes = self._inbox.probes, []
             for command in adds:
                 self._post(_fail_future, command.admitted, self._dead_error)
+            for probe in probes:
+                self._post(_fail_future, probe.result, self._dead_error)
             self._post(self._fail_all, self._dead_error)
 
     def _expire_queued(self) -> None:
@@ -285,15 +313,19 @@ class AsyncEngine:
     def _drain_locked_aborts(self) -> None:
         aborts, self._inbox.aborts = self._inbox.aborts, []
         adds, self._inbox.adds = self._inbox.adds, []
+        probes, self._inbox.probes = self._inbox.probes, []
         for group_id in aborts:
             self.core.abort(group_id)
         for command in adds:
             self._post(_fail_future, command.admitted, EngineDeadError("the engine shut down"))
+        for probe in probes:
+            self._post(_fail_future, probe.result, EngineDeadError("the engine shut down"))
 
     def _drain_inbox(self) -> None:
         with self._inbox.cond:
             adds, self._inbox.adds = self._inbox.adds, []
             aborts, self._inbox.aborts = self._inbox.aborts, []
+            probes, self._inbox.probes = self._inbox.probes, []
         # Adds before aborts: a request cancelled while still queued here is admitted and
         # dropped in the same drain, before any step schedules it.
         for command in adds:
@@ -305,6 +337,16 @@ class AsyncEngine:
                 self._post(_resolve_future, command.admitted)
         for group_id in aborts:
             self.core.abort(group_id)
+        for probe in probes:  # after the adds and aborts: they see this step's queues
+            self._run_probe(probe)
+
+    def _run_probe(self, probe: _ProbeCommand) -> None:
+        try:
+            value = probe.fn(self.core)
+        except Exception as exc:  # an observer's bug is the observer's, not the engine's
+            self._post(_fail_future, probe.result, exc)
+        else:
+            self._post(_resolve_value, probe.result, value)
 
     def _post(self, callback: Callable[..., None], *args: object) -> None:
         loop = self._loop
@@ -332,6 +374,11 @@ class AsyncEngine:
 def _resolve_future(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _resolve_value(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 def _fail_future(future: asyncio.Future[None], exc: BaseException) -> None:

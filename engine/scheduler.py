@@ -457,6 +457,10 @@ class Scheduler:
         queued = len(self.running) + len(self.swapped) + len(self.waiting) + unforked
         assert queued == len(self._requests), "a live request is in no queue, or in two"
 
+    def live_requests(self) -> list[Request]:
+        """Every live sequence (running, swapped, waiting, unforked), for observers."""
+        return list(self._requests.values())
+
     def stats(self) -> EngineStats:
         queues = QueueSizes(
             running=len(self.running),

@@ -28,7 +28,11 @@ from server.settings import ServerSettings
 logger = logging.getLogger(__name__)
 
 # Paths that need the API key when one is configured (unless protect_open_endpoints).
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/ui/api/")
+# The block-map page's shell holds no data and must load to ask for the key: it never
+# needs one, even under protect_open_endpoints (its data comes from /ui/api/).
+UI_SHELL_PATHS = ("/ui", "/ui/")
+UI_SHELL_PREFIX = "/ui/static/"
 
 
 def build_app(ctx: ServingContext) -> FastAPI:
@@ -51,6 +55,8 @@ def build_app(ctx: ServingContext) -> FastAPI:
     for module in (chat, completions, models, tokenize, health):
         app.include_router(module.router)
     settings = ctx.settings
+    if settings.enable_ui:
+        _install_ui(app, ctx)
     # Starlette runs the last added middleware first: auth before reading any body.
     app.add_middleware(
         BodyLimitMiddleware,
@@ -65,6 +71,15 @@ def build_app(ctx: ServingContext) -> FastAPI:
             on_reject=ctx.count_rejected,
         )
     return app
+
+
+def _install_ui(app: FastAPI, ctx: ServingContext) -> None:
+    from server.ui import router as ui_router
+    from server.ui.hub import BlockMapHub
+
+    app.include_router(ui_router.router)
+    app.state.ui_hub = BlockMapHub(ctx.engine)
+    app.state.ui_facts = ctx.startup_facts
 
 
 def serving_context(
@@ -90,7 +105,17 @@ def serving_context(
         metrics=metrics,
         created=int(time.time()),
         grammar_compiler=getattr(built, "grammar_compiler", None),
+        startup_facts=_startup_facts(built, engine),
     )
+
+
+def _startup_facts(built: Any, engine: AsyncEngine) -> dict[str, Any] | None:
+    from server.ui.facts import startup_facts
+
+    try:
+        return startup_facts(built, engine.stats().host_blocks.total)
+    except AttributeError:  # a stand-in engine without a capacity plan (tests)
+        return None
 
 
 def _make_metrics(
@@ -166,6 +191,8 @@ class AuthMiddleware:
         await _send_error(scope, send, error)
 
     def _needs_key(self, path: str) -> bool:
+        if path in UI_SHELL_PATHS or path.startswith(UI_SHELL_PREFIX):
+            return False
         return self._protect_all or path.startswith(PROTECTED_PREFIXES)
 
     def _authorized(self, scope: Scope) -> bool:

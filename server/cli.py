@@ -95,6 +95,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     http.add_argument("--shutdown-timeout", type=float, default=30.0, help="drain seconds")
     http.add_argument(
+        "--disable-ui", action="store_true", help="do not serve the live KV block map at /ui"
+    )
+    http.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     p.set_defaults(func=run_serve)
@@ -139,6 +142,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         max_messages=args.max_messages,
         queue_timeout_s=args.queue_timeout,
         log_level=args.log_level,
+        enable_ui=not args.disable_ui,
     )
 
 
@@ -197,7 +201,8 @@ def _run_uvicorn(
         log_level=settings.log_level,
         timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_s),
     )
-    server = DrainingServer(config, ctx.engine)
+    hub = getattr(app.state, "ui_hub", None)
+    server = DrainingServer(config, ctx.engine, on_drain=hub.close if hub is not None else None)
     # uvicorn drains on SIGTERM/SIGINT (stop accepting, wait for in-flight requests up to
     # the timeout, cancel the rest; the app's lifespan then aborts what the engine still
     # runs) and afterwards re-raises the signal to the previous handler. A handler that

@@ -30,6 +30,8 @@ class ServerSettings:
     queue_timeout_s: float = 0.0
     max_messages: int = 512
     log_level: str = "info"
+    # The live block-map page at /ui (server/ui/); --disable-ui turns it off.
+    enable_ui: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

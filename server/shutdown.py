@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 
 import uvicorn
 
@@ -24,11 +25,21 @@ SHUTDOWN_MESSAGE = "the server is shutting down; retry the request"
 class DrainingServer(uvicorn.Server):
     """A uvicorn server whose drain ends leftover streams instead of cutting them."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        engine: AsyncEngine,
+        on_drain: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(config)
         self._engine = engine
+        # Called as the drain starts: ends streams that never finish on their own (the
+        # block-map page's), so they do not hold the drain for its whole window.
+        self._on_drain = on_drain
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._on_drain is not None:
+            self._on_drain()
         window = float(self.config.timeout_graceful_shutdown or 0)
         handle = asyncio.get_running_loop().call_later(
             max(0.0, window - STREAM_END_MARGIN_S),

@@ -82,6 +82,13 @@ class FreeBlockQueue:
             yield node
             node = node.next_free
 
+    def __reversed__(self) -> Iterator[KVBlock]:
+        """Most recently freed first (the block-map page finds cached blocks there)."""
+        node = self._tail.prev_free
+        while node is not None and node is not self._head:
+            yield node
+            node = node.prev_free
+
 
 class BlockPool:
     """``num_blocks`` blocks with ref counts, a free queue and (optionally) a prefix cache.

@@ -30,6 +30,8 @@ class ServingContext:
     # engine.structured.GrammarCompiler: compile structured-output specs off the event
     # loop (asyncio.to_thread) before submitting; None when the engine has none.
     grammar_compiler: Any = None
+    # The startup log's totals and KV shape, for the block-map page (server/ui/facts.py).
+    startup_facts: dict[str, Any] | None = None
 
     @property
     def model_name(self) -> str:

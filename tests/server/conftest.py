@@ -29,6 +29,7 @@ class LiveServer:
     url: str
     ctx: ServingContext
     built: Any
+    app: Any = None  # the FastAPI app (its state holds e.g. the block-map hub)
 
     @property
     def v1(self) -> str:
@@ -84,7 +85,7 @@ def live_server(built: Any, settings: ServerSettings) -> Iterator[LiveServer]:
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.01)
     try:
-        yield LiveServer(f"http://127.0.0.1:{port}", ctx, built)
+        yield LiveServer(f"http://127.0.0.1:{port}", ctx, built, app)
     finally:
         server.should_exit = True
         thread.join(15)

@@ -196,3 +196,42 @@ def test_shutdown_aborts_open_streams():
         assert ("abort", "g") in core.calls
 
     asyncio.run(run_with(core, body))
+
+
+def test_probe_runs_on_the_engine_thread_between_steps_and_wakes_an_idle_engine():
+    core = ScriptedCore()
+
+    def look(seen: ScriptedCore) -> tuple[str, int, list[str]]:
+        return threading.current_thread().name, seen.steps, list(seen.live)
+
+    async def body(engine: AsyncEngine) -> None:
+        idle = await engine.probe(look)  # nothing to step: the probe still answers
+        assert idle == ("kvserve-engine", 0, [])
+        stream = await engine.add(group("g", max_tokens=10**6))
+        async for _ in stream:
+            break
+        busy = await engine.probe(look)
+        assert busy[0] == "kvserve-engine" and busy[1] >= 1 and busy[2] == ["g"]
+        stream.close()
+
+    asyncio.run(run_with(core, body))
+
+
+def test_probe_errors_reach_the_caller_and_a_dead_engine_refuses_probes():
+    core = ScriptedCore(fail_on_step=2)
+
+    def broken(_: ScriptedCore) -> None:
+        raise ValueError("observer bug")
+
+    async def body(engine: AsyncEngine) -> None:
+        with pytest.raises(ValueError, match="observer bug"):
+            await engine.probe(broken)
+        assert engine.is_alive  # an observer's bug does not kill the engine
+        stream = await engine.add(group("g", max_tokens=10))
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            engine.probe(lambda c: c.steps)
+
+    asyncio.run(run_with(core, body))

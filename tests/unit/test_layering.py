@@ -8,7 +8,8 @@ import sys
 
 def test_scheduler_and_kv_layer_import_no_torch_or_model_code() -> None:
     probe = (
-        "import sys, engine.scheduler, engine.kv.manager, engine.kv.stats, engine.kv.budget;"
+        "import sys, engine.scheduler, engine.kv.manager, engine.kv.stats, engine.kv.budget,"
+        " engine.kv.block_map;"
         "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'engine.model',"
         " 'engine.runner', 'transformers'))];"
         "print(','.join(bad))"
