@@ -216,6 +216,7 @@ def _attach_tiers(
         host_pool = KVPool(layout, torch.device("cpu"))
     core.scheduler.kv.attach_tiers(planner)
     core.tier_io = TierIO(runner.device_pool, host_pool, disk, planner.counters)
+    core._publish()  # the first stats snapshot already lists the tiers
 
 
 def _position_table_size(args: EngineArgs) -> int:

@@ -123,10 +123,13 @@ class KVCacheManager:
         """Take the device hits plus fresh blocks for ``found`` and plan their loads;
         False (nothing taken) when the blocks do not fit above ``reserve``."""
         assert self.tiers is not None and found
+        # Allocating may evict device blocks whose demotion would reuse a found host block.
+        self.tiers.pin(found)
         new_ids = self.allocate_slots(
             request, len(found) * self.block_size, device_hits, reserve=reserve
         )
         if new_ids is None:
+            self.tiers.unpin(found)
             return False
         self.tiers.plan_loads(request.request_id, found, new_ids)
         return True

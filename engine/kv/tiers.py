@@ -99,7 +99,7 @@ class TieredPrefixCache:
 
     def demote(self, device_block: int, block_hash: BlockHash) -> None:
         """A cached device block is about to be reused: keep its contents a tier down."""
-        if self.host.num_blocks:
+        if self.host.num_free:  # zero when off, or while every host block is pinned
             held = self.host.lookup(block_hash)
             if held is not None:
                 self._refresh(held.block_id)
@@ -174,13 +174,21 @@ class TieredPrefixCache:
             if hit is None:
                 return
 
+    def pin(self, hits: Sequence[TierHit]) -> None:
+        """Keep the hits' host blocks from being evicted (and overwritten by a demotion)
+        while device blocks are allocated for them; ``plan_loads`` or ``unpin`` releases."""
+        self.host.touch(hit.host_block for hit in hits if hit.tier == HOST)
+
+    def unpin(self, hits: Sequence[TierHit]) -> None:
+        """Release pinned host blocks to the most-recently-used end of the host LRU."""
+        self.host.free(hit.host_block for hit in hits if hit.tier == HOST)
+
     def plan_loads(
         self, request_id: str, hits: Sequence[TierHit], device_blocks: Sequence[int]
     ) -> None:
-        """Copy each hit into its device block (same order) for ``request_id``."""
+        """Copy each (pinned) hit into its device block, same order, for ``request_id``."""
+        self.unpin(hits)
         for hit, device_block in zip(hits, device_blocks, strict=True):
-            if hit.tier == HOST:
-                self._refresh(hit.host_block)
             source_block = hit.host_block if hit.tier == HOST else -1
             self._ops.append(
                 TierOp(hit.tier, source_block, DEVICE, device_block, hit.block_hash, request_id)

@@ -55,15 +55,19 @@ class TierIO:
                 self._store_to_disk(group, wait_for_disk)
                 continue
             started = time.perf_counter()
-            if first.source == DISK:
-                arrived = [self._load_from_disk(op) for op in group]
+            if first.source == DISK:  # past a request's first failure, nothing is read
+                arrived = []
+                for op in group:
+                    ok = op.request_id not in broken and self._load_from_disk(op)
+                    _note_load(op, ok, loaded, broken)
+                    arrived.append(ok)
             else:
                 pairs = [(op.source_block, op.target_block) for op in group]
                 copy_blocks(self.pools[first.source], self.pools[first.target], pairs)
                 arrived = [True] * len(group)
+                for op in group:
+                    _note_load(op, True, loaded, broken)
             self._count_move(first, sum(arrived), time.perf_counter() - started)
-            for op, ok in zip(group, arrived, strict=True):
-                _note_load(op, ok, loaded, broken)
         return loaded
 
     def close(self) -> None:

@@ -202,3 +202,21 @@ def test_an_uncreatable_directory_disables_writes(tmp_path: Path) -> None:
     blocker.write_text("not a directory")
     disk = store(blocker / "kv")
     assert not disk.writable and not disk.submit(h(1), lambda: b"x")
+
+
+def test_a_found_host_block_is_not_overwritten_while_its_load_is_planned() -> None:
+    tiers = TieredPrefixCache(num_host_blocks=2)
+    tiers.demote(0, h(1))
+    tiers.demote(1, h(2))
+    tiers.take_ops()
+    hits = tiers.match([h(1)])  # h1 is the least recently used host block
+    tiers.pin(hits)
+    tiers.demote(2, h(3))  # allocating the load's device blocks evicts device blocks
+    tiers.demote(3, h(4))
+    tiers.plan_loads("r", hits, [7])
+    ops = tiers.take_ops()
+    pinned = hits[0].host_block
+    assert all(op.target_block != pinned for op in ops if op.target == "host")
+    assert ops[-1] == TierOp("host", pinned, "device", 7, h(1), "r")
+    assert tiers.host.lookup(h(1)) is not None
+    tiers.check_integrity()
