@@ -7,7 +7,7 @@ For a prefix of ``--blocks`` blocks, times (interleaved repeats, medians):
 - disk load: read + verify (checksum) + copy from the disk tier (files in the page cache:
   a warm disk; a cold read adds the device's latency per block).
 
-    python bench/bench_tiers.py [--model PATH] [--blocks 16] [--repeats 7]
+    PYTHONPATH=. python bench/bench_tiers.py [--model PATH] [--blocks 16] [--repeats 7]
 """
 
 from __future__ import annotations
@@ -79,21 +79,26 @@ def main() -> None:
         disk_ops = [TierOp("disk", -1, "device", 2 * blocks + b, keys[b], "r") for b in table]
         results: dict[str, list[float]] = {"recompute": [], "host load": [], "disk load": []}
         for _ in range(args.repeats):
-            median_ms(lambda: core.runner.execute(SchedulerOutput(scheduled=[prefill])),
-                      results["recompute"])
+            median_ms(
+                lambda: core.runner.execute(SchedulerOutput(scheduled=[prefill])),
+                results["recompute"],
+            )
             median_ms(lambda: io.apply(host_ops), results["host load"])
             median_ms(lambda: io.apply(disk_ops), results["disk load"])
         assert io.apply(disk_ops) == {"r": blocks}, "every disk block verified and loaded"
         io.close()
     recompute = statistics.median(results["recompute"]) / blocks
-    print(f"model {built.model_name}, {built.dtype}, KV {built.kv_shape.kv_dtype}, "
-          f"block {size} tokens = {built.plan.bytes_per_block / 1024:.0f} KiB, "
-          f"prefix {blocks} blocks, {args.repeats} interleaved repeats, "
-          f"load avg {os.getloadavg()[0]:.1f}")
+    print(
+        f"model {built.model_name}, {built.dtype}, KV {built.kv_shape.kv_dtype}, "
+        f"block {size} tokens = {built.plan.bytes_per_block / 1024:.0f} KiB, "
+        f"prefix {blocks} blocks, {args.repeats} interleaved repeats, "
+        f"load avg {os.getloadavg()[0]:.1f}"
+    )
     for name, samples in results.items():
         per_block = statistics.median(samples) / blocks
-        print(f"  {name:<10} {per_block:8.3f} ms/block  ({recompute / per_block:5.1f}x "
-              "vs recompute)")
+        print(
+            f"  {name:<10} {per_block:8.3f} ms/block  ({recompute / per_block:5.1f}x vs recompute)"
+        )
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ def test_match_walks_host_then_disk_and_stops_at_the_first_gap(tmp_path: Path) -
     tiers.count_lookup([h(1), h(2), h(3), h(4), h(3)])
     assert (tiers.counters["host"].hits, tiers.counters["host"].misses) == (2, 2)
     assert (tiers.counters["disk"].hits, tiers.counters["disk"].misses) == (1, 1)
+    tiers.pin(hits)
     tiers.plan_loads("r", hits, [10, 11, 12])
     loads = tiers.take_ops()
     assert [(op.source, op.target_block, op.request_id) for op in loads] == [
