@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--kernels", default="auto", choices=["auto", "native", "torch"])
     args = parser.parse_args()
     blocks, size = args.blocks, args.block_size
     with tempfile.TemporaryDirectory() as disk_dir:
@@ -53,6 +54,7 @@ def main() -> None:
                 kv_cache_host_gib=0.5,
                 kv_cache_disk_dir=disk_dir,
                 kv_cache_disk_gib=1.0,
+                kernels=args.kernels,
             )
         )
         core = built.core
