@@ -91,7 +91,8 @@ def main() -> None:
         io.close()
     recompute = statistics.median(results["recompute"]) / blocks
     print(
-        f"model {built.model_name}, {built.dtype}, KV {built.kv_shape.kv_dtype}, "
+        f"model {built.model_name}, {built.dtype}, {args.kernels} kernels, "
+        f"KV {built.kv_shape.kv_dtype}, "
         f"block {size} tokens = {built.plan.bytes_per_block / 1024:.0f} KiB, "
         f"prefix {blocks} blocks, {args.repeats} interleaved repeats, "
         f"load avg {os.getloadavg()[0]:.1f}"
