@@ -82,18 +82,25 @@ class Recorder:
         for block_hash, block in kv.device.cached.items():
             content = block_bytes(device, block.block_id)
             known = self.computed.setdefault(block_hash, content)
-            assert all(torch.equal(a, b) for a, b in zip(known, content, strict=True)), (
-                "a device block differs from what was computed for its hash"
-            )
+            assert same_block(known, content), "a device block is not what its hash names"
         tiers = kv.tiers
         host_pool = self.core.tier_io.pools.get("host") if tiers is not None else None
         if tiers is None or host_pool is None:
             return
         for block_hash, block in tiers.host.cached.items():
             content = block_bytes(host_pool, block.block_id)
-            assert all(
-                torch.equal(a, b) for a, b in zip(self.computed[block_hash], content, strict=True)
-            ), "a host tier block does not hold what the device computed for its hash"
+            assert same_block(self.computed[block_hash], content), (
+                "a host tier block does not hold what the device computed for its hash"
+            )
+
+
+def same_block(known: list[torch.Tensor], content: list[torch.Tensor]) -> bool:
+    """Same K/V up to float rounding: a prefix recomputed in a chunk of another length
+    runs GEMMs of another shape, so its bits may differ in the last place; a stale or
+    misplaced block differs entirely."""
+    return all(
+        torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(known, content, strict=True)
+    )
 
 
 def block_bytes(pool: Any, block_id: int) -> list[torch.Tensor]:
