@@ -279,6 +279,9 @@ class AsyncEngine:
                     deltas = self.core.step()
                     if deltas:
                         self._post(self._dispatch, deltas)
+            close = getattr(self.core, "close", None)
+            if close is not None:
+                close()  # e.g. persist the prefix cache's disk tier
         except Exception as exc:  # a failed step kills the engine; tell everyone why
             logger.exception("engine step failed; the engine is now dead")
             self._dead_error = EngineDeadError(f"engine failed: {type(exc).__name__}: {exc}")

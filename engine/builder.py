@@ -21,13 +21,16 @@ import torch
 from engine.config import CacheConfig, EngineArgs, SchedulerConfig
 from engine.core import EngineCore
 from engine.kv import accounting
-from engine.kv.accounting import CapacityPlan, KVShape
+from engine.kv.accounting import CapacityPlan, KVShape, TierCapacity
+from engine.kv.disk_store import DiskFingerprint, DiskStore
+from engine.kv.tiers import TieredPrefixCache
 from engine.model.kernels import select_kernels
 from engine.model.kv_cache import KVPool, KVPoolLayout
 from engine.model.llama import LlamaModel
 from engine.model.loader import ModelSource, load_model, load_tokenizer
 from engine.model.profile import measure_activation_peak
 from engine.model.quant_linear import check_quantization, quantize_weights
+from engine.model.tier_io import TierIO
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.structured import GrammarCompiler
@@ -60,6 +63,7 @@ class BuiltEngine:
     eos_token_ids: tuple[int, ...]
     # Compiles structured-output specs (shared with the runner, which reads its cache).
     grammar_compiler: GrammarCompiler | None = None
+    tiers: tuple[TierCapacity, ...] = ()
 
 
 def find_embedded_model() -> Path:
@@ -152,8 +156,13 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     _check_plan(plan)
     eos_ids = eos_token_ids(tokenizer, source)
     grammars = _grammar_compiler(tokenizer, model.spec.vocab_size, eos_ids)
+    tiers = accounting.plan_tiers(
+        kv_shape, args.block_size, *_tier_bytes(args) if args.enable_prefix_caching else (0, 0)
+    )
     core = _wire(args, model, kv_shape, plan, device, max_model_len, eos_ids, grammars)
+    _attach_tiers(core, args, tiers, source.name, dtype_name(dtype), kv_shape)
     _log_startup(source, model, args.quantization, kv_shape, plan)
+    _log_tiers(tiers, args.kv_cache_disk_dir)
     return BuiltEngine(
         core=core,
         tokenizer=tokenizer,
@@ -166,6 +175,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         dtype=dtype_name(dtype),
         eos_token_ids=eos_ids,
         grammar_compiler=grammars,
+        tiers=tiers,
     )
 
 
@@ -179,6 +189,51 @@ def _grammar_compiler(
     except Exception as exc:  # xgrammar raises RuntimeError/ValueError/TypeError variously
         logger.warning("structured outputs are unavailable for this tokenizer: %s", exc)
         return None
+
+
+def _tier_bytes(args: EngineArgs) -> tuple[int, int]:
+    """(host tier, disk tier) sizes in bytes; 0 turns a tier off."""
+    host = int(args.kv_cache_host_gib * accounting.GIB)
+    disk = int(args.kv_cache_disk_gib * accounting.GIB) if args.kv_cache_disk_dir else 0
+    return host, disk
+
+
+def _attach_tiers(
+    core: EngineCore,
+    args: EngineArgs,
+    tiers: tuple[TierCapacity, ...],
+    model_name: str,
+    dtype: str,
+    kv_shape: KVShape,
+) -> None:
+    """Give the KV manager its host/disk tiers and the core the runner side that moves
+    their bytes (engine/kv/tiers.py, engine/model/tier_io.py)."""
+    if not tiers:
+        return
+    sizes = {tier.name: tier for tier in tiers}
+    host = sizes.get("host")
+    disk = None
+    if "disk" in sizes and args.kv_cache_disk_dir:
+        fingerprint = DiskFingerprint(
+            model=model_name,
+            dtype=dtype,
+            kv_dtype=kv_shape.kv_dtype,
+            block_size=args.block_size,
+            num_layers=kv_shape.num_layers,
+            num_kv_heads=kv_shape.num_kv_heads,
+            head_dim=kv_shape.head_dim,
+        )
+        disk = DiskStore(args.kv_cache_disk_dir, sizes["disk"].capacity_bytes, fingerprint)
+    planner = TieredPrefixCache(host.num_blocks if host else 0, disk)
+    runner = core.runner
+    assert isinstance(runner, ModelRunner)
+    host_pool = None
+    if host is not None and host.num_blocks:
+        layout = KVPoolLayout(kv_shape, host.num_blocks, args.block_size)
+        host_pool = KVPool(layout, torch.device("cpu"))
+    core.scheduler.kv.attach_tiers(planner)
+    core.tier_io = TierIO(runner.device_pool, host_pool, disk, planner.counters)
+    core._publish()  # the first stats snapshot already lists the tiers
 
 
 def _position_table_size(args: EngineArgs) -> int:
@@ -310,3 +365,16 @@ def _log_startup(
         plan.max_model_len,
         plan.max_seqs_at_max_len,
     )
+
+
+def _log_tiers(tiers: tuple[TierCapacity, ...], disk_dir: str | None) -> None:
+    for tier in tiers:
+        where = f" in {disk_dir}" if tier.name == "disk" else ""
+        logger.info(
+            "prefix cache %s tier%s: %d blocks = %d tokens, %s",
+            tier.name,
+            where,
+            tier.num_blocks,
+            tier.token_capacity,
+            accounting.format_bytes(tier.capacity_bytes),
+        )

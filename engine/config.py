@@ -92,6 +92,11 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of total device memory
     num_kv_blocks: int | None = None  # overrides the measured block count
     swap_space_gib: float = 1.0  # host pool for offload
+    # Tiered prefix cache (engine/kv/tiers.py): a host tier of its own (not the swap pool)
+    # and an optional disk directory, size-bounded; evicted prefix blocks go there.
+    kv_cache_host_gib: float = 0.0
+    kv_cache_disk_dir: str | None = None
+    kv_cache_disk_gib: float = 4.0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     preemption_mode: PreemptionMode = "auto"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from engine.outputs import EngineStats, RequestDelta, RunnerOutput, SchedulerOutput
+from engine.outputs import EngineStats, RequestDelta, RunnerOutput, SchedulerOutput, TierOp
 from engine.request import FinishReason, Request
 from engine.scheduler import Scheduler
 from engine.step_executor import EngineFault, StepExecutor
@@ -37,12 +37,22 @@ class Runner(Protocol):
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput: ...
 
 
+class TierMover(Protocol):
+    """Applies the tiered prefix cache's moves (engine/model/tier_io.py)."""
+
+    def apply(self, ops: list[TierOp], *, wait_for_disk: bool = False) -> dict[str, int]: ...
+    def close(self) -> None: ...
+
+
 class EngineCore:
     """Drives a scheduler and a runner in lock step."""
 
-    def __init__(self, scheduler: Scheduler, runner: Runner) -> None:
+    def __init__(
+        self, scheduler: Scheduler, runner: Runner, tier_io: TierMover | None = None
+    ) -> None:
         self.scheduler = scheduler
         self.runner = runner
+        self.tier_io = tier_io
         self.executor = StepExecutor(runner)
         # Every live client request's sequences, so a failure can end all of its choices.
         self._groups: dict[str, list[Request]] = {}
@@ -82,6 +92,8 @@ class EngineCore:
         Raises ``EngineFault`` when a failure cannot be contained to the step's batch.
         """
         out = self.scheduler.schedule()
+        if out.tier_ops:
+            self._apply_tier_ops(out)
         if out.is_empty and not out.finished_request_ids:
             self._publish()  # a step may preempt (recompute) without scheduling anything
             return []
@@ -94,6 +106,22 @@ class EngineCore:
             self._check_after_failure()
         self._publish()
         return deltas
+
+    def _apply_tier_ops(self, out: SchedulerOutput) -> None:
+        """Tier moves run first (they read blocks this step may overwrite); the requests
+        loading a prefix then join the running set with what arrived."""
+        loaded = self.tier_io.apply(out.tier_ops) if self.tier_io is not None else {}
+        self.scheduler.finish_loads(loaded)
+
+    def close(self) -> None:
+        """At shutdown: put every cached prefix block on disk (when there is a disk tier)
+        and let the writes finish, so a restarted server finds them."""
+        if self.tier_io is None:
+            return
+        ops = self.scheduler.kv.persist_ops()
+        if ops:
+            self.tier_io.apply(ops, wait_for_disk=True)
+        self.tier_io.close()
 
     def expire_queued(self, timeout_s: float) -> list[RequestDelta]:
         """Fail the requests that have waited more than ``timeout_s`` without ever being

@@ -45,6 +45,29 @@ class ScheduledRequest:
         return self.num_computed_tokens + len(self.token_ids)
 
 
+@dataclass(frozen=True)
+class TierOp:
+    """One block moved between prefix-cache tiers ("device", "host", "disk").
+
+    Stores copy an evicted block down (device -> host, device -> disk, host -> disk);
+    loads copy a prefix block back up (host -> device, disk -> device) for the loading
+    request ``request_id``. ``*_block`` is a block id in that tier's pool (-1 for disk,
+    whose entries are named by ``block_hash``). The runner applies a step's ops in list
+    order, before any other block move: an op may read a block a later op overwrites.
+    """
+
+    source: str
+    source_block: int
+    target: str
+    target_block: int
+    block_hash: bytes
+    request_id: str | None = None
+
+    @property
+    def is_load(self) -> bool:
+        return self.target == "device"
+
+
 @dataclass
 class SchedulerOutput:
     """Everything the runner executes for one step, in order: swap_out, swap_in, copies,
@@ -57,6 +80,8 @@ class SchedulerOutput:
     # Requests that left the engine since the last step: the runner drops their state.
     finished_request_ids: list[str] = field(default_factory=list)
     num_preempted: int = 0
+    # Prefix-cache tier moves, applied first and in order (engine/model/tier_io.py).
+    tier_ops: list[TierOp] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -64,7 +89,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.scheduled or self.swap_out or self.swap_in or self.copies)
+        return not (self.scheduled or self.swap_out or self.swap_in or self.copies or self.tier_ops)
 
 
 @dataclass(frozen=True)
@@ -126,6 +151,25 @@ class PoolStats:
 
 
 @dataclass(frozen=True)
+class TierStats:
+    """One prefix-cache tier below the device pool. Hits and misses count blocks looked
+    up at admission; bytes count blocks moved into (stored) and out of (loaded) the tier."""
+
+    name: str
+    capacity_blocks: int
+    used_blocks: int
+    used_bytes: int
+    capacity_bytes: int
+    hits_total: int = 0
+    misses_total: int = 0
+    stored_bytes_total: int = 0
+    loaded_bytes_total: int = 0
+    load_seconds_total: float = 0.0
+    dropped_writes_total: int = 0
+    failed_loads_total: int = 0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A cheap, immutable snapshot of the engine for metrics and health checks.
 
@@ -153,6 +197,10 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     steps_total: int = 0
+    # Prefix-cache tiers below the device (host, disk), top down; empty when off.
+    tiers: tuple[TierStats, ...] = ()
+    # Requests whose prefix is being loaded back from a tier (not computing).
+    num_loading: int = 0
 
     @property
     def usage_ratio(self) -> float:

@@ -62,6 +62,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
+        # Admitted with a prefix to load back from a tier (engine/kv/tiers.py): not
+        # computing this step; finish_loads() moves them to running. Request id -> blocks.
+        self.loading: list[Request] = []
+        self._loads: dict[str, int] = {}
         self._requests: dict[str, Request] = {}  # every live request, by id
         self._groups: dict[str, list[Request]] = {}  # group id -> live members
         self._unforked: dict[str, list[Request]] = {}  # group id -> children not yet forked
@@ -103,6 +107,9 @@ class Scheduler:
                 self.running.remove(request)
             elif request.status is RequestStatus.SWAPPED:
                 self.swapped.remove(request)
+            elif request.status is RequestStatus.LOADING:
+                self.loading.remove(request)
+                self._loads.pop(request.request_id, None)
             elif not any(request is child for child in unforked):
                 self.waiting.remove(request)
             self._retire(request, RequestStatus.FINISHED_ABORTED)
@@ -140,7 +147,7 @@ class Scheduler:
             raise ValueError(f"group id {parent.group_id!r} is already live")
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.loading)
 
     def _check_queue_room(self, parent: Request) -> None:
         max_requests = self.config.max_queued_requests
@@ -183,6 +190,8 @@ class Scheduler:
         out = step.out
         out.scheduled = list(step.scheduled.values())
         out.copies = self.kv.take_copies()
+        if self.kv.tiers is not None:
+            out.tier_ops = self.kv.tiers.take_ops()
         out.finished_request_ids = self._finished_ids
         self._finished_ids = []
         return out
@@ -266,6 +275,8 @@ class Scheduler:
             if self.running and len(self.running) + group_size > max_seqs:
                 return
             hits = self.kv.find_cached_prefix(request)
+            if self._start_tier_load(request, hits, group_size):
+                continue
             num_hit = len(hits) * self.block_size
             num_new = min(request.num_tokens - num_hit, step.budget)
             reserve = self._admission_reserve(request, num_hit + num_new, group_size)
@@ -273,8 +284,50 @@ class Scheduler:
                 return
             self.waiting.popleft()
             self._on_admitted(request, num_hit)
+            self.kv.count_tier_lookup(request, len(hits))
             self.running.append(request)
             self._add_to_step(step, request, num_new)
+
+    def _start_tier_load(self, request: Request, hits: list[int], group_size: int) -> bool:
+        """Admit the head of the queue into LOADING when a lower tier holds the blocks
+        after its device hit: they are loaded back this step instead of recomputed, and
+        the request computes the rest from the next step on. False: admit it as usual."""
+        found = self.kv.find_tier_prefix(request, len(hits))
+        if not found:
+            return False
+        covered = (len(hits) + len(found)) * self.block_size
+        reserve = self._admission_reserve(request, covered, group_size)
+        if not self.kv.start_load(request, hits, found, reserve):
+            return False
+        self.kv.count_tier_lookup(request, len(hits))
+        self.waiting.popleft()
+        self._on_admitted(request, covered)
+        request.num_computed_tokens = len(hits) * self.block_size
+        request.status = RequestStatus.LOADING
+        self.loading.append(request)
+        self._loads[request.request_id] = len(found)
+        return True
+
+    def finish_loads(self, loaded: dict[str, int]) -> None:
+        """The runner applied this step's tier ops: ``loaded`` maps a loading request to
+        how many of its planned blocks (leading) arrived intact. Those count as computed
+        and enter the device prefix cache; the rest is recomputed. Call after every step
+        that had tier ops (an empty dict when nothing could be loaded)."""
+        for request in self.loading:
+            planned = self._loads.pop(request.request_id)
+            arrived = max(0, min(loaded.get(request.request_id, 0), planned))
+            request.num_computed_tokens += arrived * self.block_size
+            missed = (planned - arrived) * self.block_size
+            if missed:
+                request.num_cached_tokens = min(
+                    request.num_cached_tokens, request.num_computed_tokens
+                )
+                if self.kv.enable_caching:
+                    self._counters.prefix_hits -= missed
+            self.kv.cache_computed_blocks(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        self.loading = []
 
     def _admission_reserve(self, request: Request, covered: int, group_size: int) -> int:
         """Blocks that must stay free after allocating the first chunk of ``request``.
@@ -453,8 +506,13 @@ class Scheduler:
         for request in self.waiting:
             assert request.status is RequestStatus.WAITING, request
             assert request.request_id not in self.kv.tables, request
+        for request in self.loading:
+            assert request.status is RequestStatus.LOADING, request
+            assert request.request_id in self.kv.tables, request
+        assert len(self._loads) == len(self.loading), "a load is planned for no request"
         unforked = sum(len(children) for children in self._unforked.values())
         queued = len(self.running) + len(self.swapped) + len(self.waiting) + unforked
+        queued += len(self.loading)
         assert queued == len(self._requests), "a live request is in no queue, or in two"
 
     def live_requests(self) -> list[Request]:
@@ -467,5 +525,6 @@ class Scheduler:
             waiting=len(self.waiting) + sum(len(c) for c in self._unforked.values()),
             swapped=len(self.swapped),
             live_tokens=sum(r.num_computed_tokens for r in self.running),
+            loading=len(self.loading),
         )
         return snapshot(self.kv, self.kv_shape, self._counters, queues)

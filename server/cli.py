@@ -66,6 +66,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     cache.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )
+    add_tier_flags(cache)
     sched = p.add_argument_group("scheduler")
     sched.add_argument("--max-num-seqs", type=int, default=64)
     sched.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -103,6 +104,24 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_serve)
 
 
+def add_tier_flags(group: argparse._ArgumentGroup) -> None:
+    """Flags of the tiered prefix cache (engine/kv/tiers.py); shared with ``plan``."""
+    group.add_argument(
+        "--kv-cache-host-size",
+        type=float,
+        default=0.0,
+        help="host tier of the prefix cache, GiB (its own pool, not --swap-space; 0 = off)",
+    )
+    group.add_argument(
+        "--kv-cache-disk-dir",
+        default=None,
+        help="directory of the disk tier of the prefix cache (kept across restarts)",
+    )
+    group.add_argument(
+        "--kv-cache-disk-size", type=float, default=4.0, help="disk tier bound, GiB (LRU)"
+    )
+
+
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
         model=args.model,
@@ -117,6 +136,9 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks,
         swap_space_gib=args.swap_space,
+        kv_cache_host_gib=args.kv_cache_host_size,
+        kv_cache_disk_dir=args.kv_cache_disk_dir,
+        kv_cache_disk_gib=args.kv_cache_disk_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         preemption_mode=args.preemption_mode,

@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 from engine.kv import accounting
 from engine.kv.accounting import KVShape
 from engine.outputs import EngineStats, PoolStats
+from server.tier_metrics import tier_families
 
 PREFIX = "kvserve_"
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
@@ -95,6 +96,7 @@ class EngineStatsCollector(Collector):
         yield from self._byte_families(stats)
         yield from self._request_families(stats)
         yield from self._counter_families(stats)
+        yield from tier_families(self._model, stats)
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])

@@ -14,7 +14,7 @@ import argparse
 import importlib.metadata
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +97,8 @@ class PlanReport:
     max_concurrency_at_avg_len: int
     max_concurrency_at_max_len: int
     quantization: str = "none"
+    # Prefix-cache tiers below the device (--kv-cache-host-size, --kv-cache-disk-*).
+    tiers: tuple[dict[str, int | str], ...] = ()
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -141,6 +143,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         "--activation-reserve", type=float, default=None, help="GiB (default: an estimate)"
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    from server.cli import add_tier_flags
+
+    add_tier_flags(parser.add_argument_group("prefix-cache tiers"))
     parser.set_defaults(func=run_plan)
 
 
@@ -186,7 +191,24 @@ def build_report(args: argparse.Namespace) -> PlanReport:
         avg_len=avg_len,
         num_blocks_override=args.num_kv_blocks,
     )
-    return _assemble(facts, shape, plan, args, device=device, dtype=dtype)
+    report = _assemble(facts, shape, plan, args, device=device, dtype=dtype)
+    return replace(report, tiers=_tier_rows(shape, args))
+
+
+def _tier_rows(shape: KVShape, args: argparse.Namespace) -> tuple[dict[str, int | str], ...]:
+    """Each tier's capacity in blocks, tokens and bytes, from engine/kv/accounting.py."""
+    host = int(getattr(args, "kv_cache_host_size", 0.0) * GIB)
+    disk_dir = getattr(args, "kv_cache_disk_dir", None)
+    disk = int(getattr(args, "kv_cache_disk_size", 0.0) * GIB) if disk_dir else 0
+    return tuple(
+        {
+            "name": tier.name,
+            "blocks": tier.num_blocks,
+            "tokens": tier.token_capacity,
+            "bytes": tier.capacity_bytes,
+        }
+        for tier in accounting.plan_tiers(shape, args.block_size, host, disk)
+    )
 
 
 def _assemble(
@@ -462,6 +484,12 @@ def format_report(report: PlanReport) -> str:
         f"{report.avg_len:,}, {report.max_concurrency_at_max_len:,} at max length "
         f"{report.max_model_len:,}",
     ]
+    for tier in report.tiers:
+        lines.append(
+            f"  {tier['name']} tier{' ' * (15 - len(str(tier['name'])))}"
+            f"{int(tier['blocks']):,} blocks = {int(tier['tokens']):,} tokens "
+            f"({size(int(tier['bytes']))}, prefix cache below the device)"
+        )
     return "\n".join(lines)
 
 

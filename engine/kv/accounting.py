@@ -188,3 +188,54 @@ def format_bytes(num_bytes: float) -> str:
             return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+# -- prefix-cache tiers below the device pool ------------------------------------------------
+
+# Every disk-tier entry is one block's bytes behind a fixed-size header (engine/kv/disk_store.py).
+DISK_ENTRY_HEADER_BYTES = 512
+
+
+def disk_entry_bytes(shape: KVShape, block_size: int) -> int:
+    """Bytes one block occupies in the disk tier: header plus the block's payload."""
+    return DISK_ENTRY_HEADER_BYTES + bytes_per_block(shape, block_size)
+
+
+def host_tier_blocks(shape: KVShape, block_size: int, host_tier_bytes: int) -> int:
+    """Blocks the host tier (``--kv-cache-host-size``) holds."""
+    return max(0, host_tier_bytes // bytes_per_block(shape, block_size))
+
+
+def disk_tier_blocks(shape: KVShape, block_size: int, disk_tier_bytes: int) -> int:
+    """Blocks the disk tier (``--kv-cache-disk-size``) holds at most."""
+    return max(0, disk_tier_bytes // disk_entry_bytes(shape, block_size))
+
+
+@dataclass(frozen=True)
+class TierCapacity:
+    """One tier of the prefix cache below the device pool, for the log and ``plan``."""
+
+    name: str  # "host" | "disk"
+    num_blocks: int
+    block_size: int
+    capacity_bytes: int
+
+    @property
+    def token_capacity(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def plan_tiers(
+    shape: KVShape, block_size: int, host_tier_bytes: int, disk_tier_bytes: int
+) -> tuple[TierCapacity, ...]:
+    """The enabled tiers (a size of 0 turns a tier off), top down."""
+    tiers = []
+    if host_tier_bytes > 0:
+        blocks = host_tier_blocks(shape, block_size, host_tier_bytes)
+        tiers.append(
+            TierCapacity("host", blocks, block_size, blocks * bytes_per_block(shape, block_size))
+        )
+    if disk_tier_bytes > 0:
+        blocks = disk_tier_blocks(shape, block_size, disk_tier_bytes)
+        tiers.append(TierCapacity("disk", blocks, block_size, disk_tier_bytes))
+    return tuple(tiers)

@@ -16,9 +16,12 @@ Pure Python, no torch: the pool hands out block ids; the runner owns the tensors
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 BlockHash = bytes
+# Called with (block id, hash) when a cached block's contents are about to be reused: the
+# tiered prefix cache (engine/kv/tiers.py) demotes them to a lower tier.
+EvictHook = Callable[[int, "BlockHash"], None]
 
 
 class KVBlock:
@@ -107,6 +110,7 @@ class BlockPool:
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_shared_refs = 0
         self.num_cached_free = 0
+        self.on_evict: EvictHook | None = None
 
     # -- queries -----------------------------------------------------------------------
 
@@ -186,6 +190,8 @@ class BlockPool:
 
     def _evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None
+        if self.on_evict is not None:
+            self.on_evict(block.block_id, block.block_hash)
         del self.cached[block.block_hash]
         block.block_hash = None
         self.num_cached_free -= 1

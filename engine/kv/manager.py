@@ -15,6 +15,8 @@ from engine.config import CacheConfig
 from engine.kv.accounting import blocks_for_tokens
 from engine.kv.block_pool import BlockHash, BlockPool
 from engine.kv.hashing import extend_block_hashes
+from engine.kv.tiers import TieredPrefixCache, TierHit
+from engine.outputs import TierOp
 from engine.request import Request
 
 BlockPair = tuple[int, int]
@@ -36,6 +38,8 @@ class KVCacheManager:
         # Copy-on-write pairs emitted since the last take_copies(), per request, so that a
         # request freed or swapped out in the same step can withdraw its own.
         self._copies: dict[str, list[BlockPair]] = {}
+        # Host and disk tiers below the device prefix cache (attach_tiers); None when off.
+        self.tiers: TieredPrefixCache | None = None
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -87,6 +91,55 @@ class KVCacheManager:
                 hashes, request.all_token_ids, num_blocks, self.block_size, request.cache_salt
             )
         return hashes
+
+    # -- tiers below the device ------------------------------------------------------------------
+
+    def attach_tiers(self, tiers: TieredPrefixCache) -> None:
+        """Evicted device prefix blocks now demote into ``tiers``; admissions look there too."""
+        if not self.enable_caching or not tiers.enabled:
+            return
+        self.tiers = tiers
+        self.device.on_evict = tiers.demote
+
+    def find_tier_prefix(self, request: Request, num_device_hits: int) -> list[TierHit]:
+        """The blocks right after the device hit that a lower tier holds (same cap as
+        ``find_cached_prefix``: the last token is always computed)."""
+        if self.tiers is None:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request, max_blocks)
+        return self.tiers.match(hashes[num_device_hits:max_blocks])
+
+    def count_tier_lookup(self, request: Request, num_device_hits: int) -> None:
+        """Count an admitted request's lookup below the device (hits and misses per tier)."""
+        if self.tiers is None:
+            return
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self.tiers.count_lookup(self._block_hashes(request, max_blocks)[num_device_hits:max_blocks])
+
+    def start_load(
+        self, request: Request, device_hits: Sequence[int], found: Sequence[TierHit], reserve: int
+    ) -> bool:
+        """Take the device hits plus fresh blocks for ``found`` and plan their loads;
+        False (nothing taken) when the blocks do not fit above ``reserve``."""
+        assert self.tiers is not None and found
+        # Allocating may evict device blocks whose demotion would reuse a found host block.
+        self.tiers.pin(found)
+        new_ids = self.allocate_slots(
+            request, len(found) * self.block_size, device_hits, reserve=reserve
+        )
+        if new_ids is None:
+            self.tiers.unpin(found)
+            return False
+        self.tiers.plan_loads(request.request_id, found, new_ids)
+        return True
+
+    def persist_ops(self) -> list[TierOp]:
+        """Tier stores that put every cached block on disk (for shutdown)."""
+        if self.tiers is None:
+            return []
+        cached = [(block.block_id, h) for h, block in self.device.cached.items()]
+        return self.tiers.persist_ops(cached)
 
     # -- allocation ---------------------------------------------------------------------------
 
@@ -242,3 +295,5 @@ class KVCacheManager:
                 host_refs[block_id] += 1
         for block in self.host.blocks:
             assert block.ref_count == host_refs[block.block_id], f"host {block} refs"
+        if self.tiers is not None:
+            self.tiers.check_integrity()

@@ -37,6 +37,7 @@ class QueueSizes:
     waiting: int
     swapped: int
     live_tokens: int
+    loading: int = 0
 
 
 def pool_stats(pool: BlockPool) -> PoolStats:
@@ -71,4 +72,6 @@ def snapshot(
         prompt_tokens_total=counters.prompt_tokens,
         generation_tokens_total=counters.generation_tokens,
         steps_total=counters.steps,
+        tiers=kv.tiers.stats(shape, kv.block_size) if kv.tiers is not None else (),
+        num_loading=queues.loading,
     )

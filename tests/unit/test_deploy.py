@@ -15,7 +15,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.kv.accounting import KVShape
-from engine.outputs import EngineStats, PoolStats
+from engine.outputs import EngineStats, PoolStats, TierStats
 from server.metrics import RequestRecord, ServerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +59,7 @@ def exported_names() -> set[str]:
         payload_bytes=5 * 64,
         allocated_bytes=16 * 64,
         shared_bytes=0,
+        tiers=(TierStats("host", 4, 1, 1024, 4096),),
     )
     metrics = ServerMetrics(
         model_name="m",

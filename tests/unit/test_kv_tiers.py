@@ -1,0 +1,223 @@
+"""The tiered prefix cache's planner (engine/kv/tiers.py) and disk store
+(engine/kv/disk_store.py), without a model: ops, ordering, LRU, headers, faults."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+
+from engine.config import CacheConfig
+from engine.kv.accounting import (
+    DISK_ENTRY_HEADER_BYTES,
+    KVShape,
+    disk_entry_bytes,
+    plan_tiers,
+)
+from engine.kv.disk_store import SUFFIX, DiskFingerprint, DiskStore
+from engine.kv.manager import KVCacheManager
+from engine.kv.tiers import TieredPrefixCache
+from engine.outputs import TierOp
+
+FINGERPRINT = DiskFingerprint("m", "float32", "float32", 4, 2, 2, 8)
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def store(path: Path, capacity: int = 10_000, **kwargs: int) -> DiskStore:
+    return DiskStore(path, capacity, FINGERPRINT, **kwargs)
+
+
+def write(disk: DiskStore, key: bytes, payload: bytes) -> None:
+    assert disk.submit(key, lambda: payload)
+    assert disk.flush(10)
+
+
+# -- planner ------------------------------------------------------------------------------
+
+
+def test_device_eviction_demotes_to_host_and_host_eviction_to_disk(tmp_path: Path) -> None:
+    disk = store(tmp_path)
+    tiers = TieredPrefixCache(num_host_blocks=2, disk=disk)
+    tiers.demote(5, h(1))
+    tiers.demote(6, h(2))
+    tiers.demote(7, h(3))  # the host is full: its LRU block (h1) goes to disk first
+    ops = tiers.take_ops()
+    kinds = [(op.source, op.target, op.block_hash) for op in ops]
+    assert kinds == [
+        ("device", "host", h(1)),
+        ("device", "host", h(2)),
+        ("host", "disk", h(1)),
+        ("device", "host", h(3)),
+    ]
+    # h3 reuses h1's host block, and the disk op reading it comes before the overwrite.
+    assert ops[2].source_block == ops[3].target_block == ops[0].target_block
+    assert tiers.host.lookup(h(1)) is None
+    tiers.check_integrity()
+
+
+def test_match_walks_host_then_disk_and_stops_at_the_first_gap(tmp_path: Path) -> None:
+    disk = store(tmp_path)
+    write(disk, h(2), b"x" * 8)
+    tiers = TieredPrefixCache(num_host_blocks=4, disk=disk)
+    tiers.demote(0, h(1))
+    tiers.demote(1, h(3))
+    tiers.take_ops()
+    hits = tiers.match([h(1), h(2), h(3), h(4), h(3)])
+    assert [(hit.tier, hit.block_hash) for hit in hits] == [
+        ("host", h(1)),
+        ("disk", h(2)),
+        ("host", h(3)),
+    ]
+    tiers.count_lookup([h(1), h(2), h(3), h(4), h(3)])
+    assert (tiers.counters["host"].hits, tiers.counters["host"].misses) == (2, 2)
+    assert (tiers.counters["disk"].hits, tiers.counters["disk"].misses) == (1, 1)
+    tiers.pin(hits)
+    tiers.plan_loads("r", hits, [10, 11, 12])
+    loads = tiers.take_ops()
+    assert [(op.source, op.target_block, op.request_id) for op in loads] == [
+        ("host", 10, "r"),
+        ("disk", 11, "r"),
+        ("host", 12, "r"),
+    ]
+    assert all(isinstance(op, TierOp) and op.is_load for op in loads)
+
+
+def test_a_block_already_on_host_is_refreshed_not_copied_again() -> None:
+    tiers = TieredPrefixCache(num_host_blocks=2)
+    tiers.demote(0, h(1))
+    tiers.demote(1, h(2))
+    tiers.take_ops()
+    tiers.demote(2, h(1))  # same content again: no copy; h1 becomes most recent
+    assert tiers.take_ops() == []
+    tiers.demote(3, h(3))  # evicts h2, the least recent
+    assert tiers.host.lookup(h(2)) is None and tiers.host.lookup(h(1)) is not None
+
+
+def test_manager_demotes_evicted_device_blocks_through_the_pool_hook() -> None:
+    kv = KVCacheManager(CacheConfig(num_device_blocks=2, block_size=4, watermark=0.0))
+    tiers = TieredPrefixCache(num_host_blocks=4)
+    kv.attach_tiers(tiers)
+    (block,) = kv.device.allocate(1)
+    kv.device.cache_block(block, h(9))
+    kv.device.free([block])
+    kv.device.allocate(2)  # reuses the cached block: its contents go to host first
+    (op,) = tiers.take_ops()
+    assert (op.source, op.source_block, op.target, op.block_hash) == ("device", block, "host", h(9))
+
+
+def test_tier_accounting_is_single_sourced() -> None:
+    shape = KVShape(2, 2, 8, "float32")
+    per_block = 2 * 2 * 2 * 8 * 4 * 4  # K+V, layers, heads, head_dim, fp32, 4 tokens
+    host, disk = plan_tiers(shape, 4, host_tier_bytes=10 * per_block, disk_tier_bytes=10_000)
+    assert (host.name, host.num_blocks, host.token_capacity) == ("host", 10, 40)
+    assert disk.num_blocks == 10_000 // (per_block + DISK_ENTRY_HEADER_BYTES)
+    assert disk_entry_bytes(shape, 4) == per_block + DISK_ENTRY_HEADER_BYTES
+    assert plan_tiers(shape, 4, 0, 0) == ()
+
+
+# -- disk store -----------------------------------------------------------------------------
+
+
+def test_disk_entries_round_trip_and_survive_a_restart(tmp_path: Path) -> None:
+    disk = store(tmp_path)
+    write(disk, h(1), b"payload-1")
+    assert disk.read(h(1)) == b"payload-1"
+    disk.close()
+    again = store(tmp_path)
+    assert again.contains(h(1)) and again.read(h(1)) == b"payload-1"
+    assert again.used_bytes == DISK_ENTRY_HEADER_BYTES + len(b"payload-1")
+
+
+def test_disk_is_an_lru_bounded_by_size(tmp_path: Path) -> None:
+    entry = DISK_ENTRY_HEADER_BYTES + 100
+    disk = store(tmp_path, capacity=3 * entry)
+    for i in range(3):
+        write(disk, h(i), bytes([i]) * 100)
+    assert disk.read(h(0)) is not None  # h0 is now the most recent
+    write(disk, h(3), b"z" * 100)  # evicts h1
+    assert [disk.contains(h(i)) for i in range(4)] == [True, False, True, True]
+    assert disk.used_bytes <= 3 * entry
+    assert len(list(tmp_path.glob(f"*{SUFFIX}"))) == 3
+
+
+def test_a_truncated_or_foreign_entry_is_never_loaded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    disk = store(tmp_path)
+    write(disk, h(1), b"a" * 64)
+    write(disk, h(2), b"b" * 64)
+    disk.close()
+    path = tmp_path / f"{h(1).hex()}{SUFFIX}"
+    path.write_bytes(path.read_bytes()[:-5])
+    caplog.set_level(logging.WARNING)
+    other = DiskStore(tmp_path, 10_000, DiskFingerprint("other", "float32", "float32", 4, 2, 2, 8))
+    assert other.num_entries == 0
+    same = store(tmp_path)
+    assert not same.contains(h(1)) and same.read(h(2)) == b"b" * 64
+    assert sum("a truncated entry" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_full_write_queue_drops_instead_of_blocking(tmp_path: Path) -> None:
+    gate = threading.Event()
+    disk = store(tmp_path, queue_depth=1)
+
+    def slow() -> bytes:
+        gate.wait(10)
+        return b"x"
+
+    assert disk.submit(h(1), slow)  # taken by the worker, which now waits
+    accepted = [disk.submit(h(i), lambda: b"y") for i in range(2, 6)]
+    assert accepted.count(True) <= 2 and disk.dropped_writes >= 2
+    gate.set()
+    assert disk.flush(10)
+
+
+def test_disk_full_stops_writing_logs_once_and_keeps_reads(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    disk = store(tmp_path)
+    write(disk, h(1), b"kept")
+
+    def full(path: Path, data: bytes) -> None:
+        path.write_bytes(data[:3])  # a partial file, as a real ENOSPC leaves
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    disk.write_file = full  # type: ignore[method-assign]
+    caplog.set_level(logging.WARNING)
+    disk.submit(h(2), lambda: b"lost")
+    disk.flush(10)
+    assert not disk.writable and not disk.submit(h(3), lambda: b"never")
+    assert disk.read(h(1)) == b"kept" and not disk.contains(h(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{h(1).hex()}{SUFFIX}"]
+    assert sum("no more blocks are written" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_an_uncreatable_directory_disables_writes(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    disk = store(blocker / "kv")
+    assert not disk.writable and not disk.submit(h(1), lambda: b"x")
+
+
+def test_a_found_host_block_is_not_overwritten_while_its_load_is_planned() -> None:
+    tiers = TieredPrefixCache(num_host_blocks=2)
+    tiers.demote(0, h(1))
+    tiers.demote(1, h(2))
+    tiers.take_ops()
+    hits = tiers.match([h(1)])  # h1 is the least recently used host block
+    tiers.pin(hits)
+    tiers.demote(2, h(3))  # allocating the load's device blocks evicts device blocks
+    tiers.demote(3, h(4))
+    tiers.plan_loads("r", hits, [7])
+    ops = tiers.take_ops()
+    pinned = hits[0].host_block
+    assert all(op.target_block != pinned for op in ops if op.target == "host")
+    assert ops[-1] == TierOp("host", pinned, "device", 7, h(1), "r")
+    assert tiers.host.lookup(h(1)) is not None
+    tiers.check_integrity()
