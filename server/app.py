@@ -89,6 +89,7 @@ def serving_context(
         settings=settings,
         metrics=metrics,
         created=int(time.time()),
+        grammar_compiler=getattr(built, "grammar_compiler", None),
     )
 
 

@@ -27,6 +27,8 @@ class ServingContext:
     settings: ServerSettings
     metrics: ServerMetrics | None = None
     created: int = 0  # unix time the model was loaded, for /v1/models
+    # engine.structured.GrammarCompiler: checks output constraints before submission.
+    grammar_compiler: Any = None
 
     @property
     def model_name(self) -> str:
