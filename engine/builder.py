@@ -30,6 +30,7 @@ from engine.model.profile import measure_activation_peak
 from engine.model.quant_linear import check_quantization, quantize_weights
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
+from engine.structured import GrammarCompiler
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -57,6 +58,8 @@ class BuiltEngine:
     device: str
     dtype: str
     eos_token_ids: tuple[int, ...]
+    # Compiles structured-output specs (shared with the runner, which reads its cache).
+    grammar_compiler: GrammarCompiler | None = None
 
 
 def find_embedded_model() -> Path:
@@ -148,7 +151,8 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     )
     _check_plan(plan)
     eos_ids = eos_token_ids(tokenizer, source)
-    core = _wire(args, model, kv_shape, plan, device, max_model_len, eos_ids)
+    grammars = GrammarCompiler(tokenizer, model.spec.vocab_size, eos_ids)
+    core = _wire(args, model, kv_shape, plan, device, max_model_len, eos_ids, grammars)
     _log_startup(source, model, args.quantization, kv_shape, plan)
     return BuiltEngine(
         core=core,
@@ -161,6 +165,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         device=device.type,
         dtype=dtype_name(dtype),
         eos_token_ids=eos_ids,
+        grammar_compiler=grammars,
     )
 
 
@@ -225,6 +230,7 @@ def _wire(
     device: torch.device,
     max_model_len: int,
     eos_ids: tuple[int, ...],
+    grammars: GrammarCompiler | None = None,
 ) -> EngineCore:
     host_blocks = int(args.swap_space_gib * accounting.GIB) // plan.bytes_per_block
     device_pool = KVPool(KVPoolLayout(kv_shape, plan.num_blocks, args.block_size), device)
@@ -232,7 +238,9 @@ def _wire(
     if host_blocks:
         host_layout = KVPoolLayout(kv_shape, host_blocks, args.block_size)
         host_pool = KVPool(host_layout, torch.device("cpu"), pin_memory=device.type == "cuda")
-    runner = ModelRunner(model, device_pool, host_pool, eos_token_ids=eos_ids, seed=args.seed)
+    runner = ModelRunner(
+        model, device_pool, host_pool, eos_token_ids=eos_ids, seed=args.seed, grammars=grammars
+    )
     cache_config = CacheConfig(
         num_device_blocks=plan.num_blocks,
         block_size=args.block_size,

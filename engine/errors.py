@@ -15,3 +15,8 @@ class RequestRejected(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop died; no request can make progress until restart."""
+
+
+class GrammarError(ValueError):
+    """A structured-output constraint (JSON schema, regex, choice, grammar) that cannot be
+    compiled; the message says what is wrong in it (the server answers 400)."""

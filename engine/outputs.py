@@ -82,6 +82,9 @@ class RunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # Constrained requests whose grammar is complete with this step's token: they finish
+    # with STOP (whatever ignore_eos and min_tokens say).
+    grammar_completed: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -8,8 +8,10 @@ different values of that counter.
 from __future__ import annotations
 
 import enum
+import json
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 class FinishReason(str, enum.Enum):
@@ -44,6 +46,33 @@ _FINISH_REASONS = {
 }
 
 
+StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+STRUCTURED_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the output text, compiled into a token grammar (engine/structured/).
+
+    ``value`` by kind: ``json_schema``: the schema as JSON text; ``json_object``: "" (any
+    JSON object); ``regex``: the pattern; ``choice``: a JSON-encoded list of the allowed
+    strings; ``grammar``: EBNF/GBNF text (root rule ``root``) as xgrammar accepts it.
+    Hashable, so compiled grammars are cached by it.
+    """
+
+    kind: StructuredKind
+    value: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}")
+
+    @classmethod
+    def choice(cls, options: list[str]) -> StructuredOutputs:
+        """The constraint "exactly one of these strings"."""
+        return cls("choice", json.dumps(list(options)))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding controls. Validation of user input happens in the server;
@@ -66,6 +95,9 @@ class SamplingParams:
     # Number of top alternatives to return per sampled token; None = no logprobs at all,
     # 0 = only the sampled token's logprob.
     logprobs: int | None = None
+    # Constrained decoding: the output must match this grammar; the request finishes
+    # (STOP) when the grammar is complete. See engine/structured/.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

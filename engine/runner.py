@@ -8,6 +8,9 @@ nothing: every block id comes from the scheduler's ``SchedulerOutput``.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.model.attention import SequenceChunk, build_metadata
@@ -15,6 +18,9 @@ from engine.model.kv_cache import KVPool, PagedKVCache, copy_blocks
 from engine.model.llama import LlamaModel
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.sampler import Sampler, SamplingRow
+
+if TYPE_CHECKING:
+    from engine.structured import GrammarCompiler, GrammarDecoding
 
 
 class ModelRunner:
@@ -27,12 +33,14 @@ class ModelRunner:
         host_pool: KVPool | None = None,
         eos_token_ids: tuple[int, ...] = (),
         seed: int = 0,
+        grammars: GrammarCompiler | None = None,
     ):
         self.model = model
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.cache = PagedKVCache(device_pool, model.dtype)
         self.sampler = Sampler(eos_token_ids=eos_token_ids, seed=seed)
+        self.grammar = _grammar_decoding(grammars)
 
     @property
     def block_size(self) -> int:
@@ -41,6 +49,8 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         out = scheduler_output
         self.sampler.forget(out.finished_request_ids)
+        if self.grammar is not None:
+            self.grammar.forget(out.finished_request_ids)
         self._move_blocks(out)
         if not out.scheduled:
             return RunnerOutput()
@@ -93,12 +103,44 @@ class ModelRunner:
         result = RunnerOutput()
         if not rows:
             return result
+        constrained = any(r.params.structured_outputs for r in rows)
+        if constrained:
+            logits, rows = self._constrain(logits, rows)
         sampled = self.sampler.sample(logits, rows)
+        if constrained:
+            assert self.grammar is not None
+            result.grammar_completed = self.grammar.accept(rows, sampled.token_ids)
         for row, token, logprob in zip(rows, sampled.token_ids, sampled.logprobs, strict=True):
             result.sampled_token_ids[row.request_id] = token
             if logprob is not None:
                 result.logprobs[row.request_id] = logprob
         return result
+
+    def _constrain(
+        self, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[torch.Tensor, list[SamplingRow]]:
+        """Mask what the grammars disallow before anything else (so logprobs are those of
+        the constrained distribution) and let the grammar alone decide where a constrained
+        output ends: ``min_tokens`` would otherwise mask the only token it allows."""
+        if self.grammar is None:
+            raise RuntimeError("structured outputs need a runner built with a GrammarCompiler")
+        logits = logits.to(torch.float32)
+        self.grammar.mask(logits, rows)
+        rows = [
+            dataclasses.replace(r, params=dataclasses.replace(r.params, min_tokens=0))
+            if r.params.structured_outputs and r.params.min_tokens
+            else r
+            for r in rows
+        ]
+        return logits, rows
+
+
+def _grammar_decoding(compiler: GrammarCompiler | None) -> GrammarDecoding | None:
+    if compiler is None:
+        return None
+    from engine.structured import GrammarDecoding
+
+    return GrammarDecoding(compiler)
 
 
 def _decodes_first(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:

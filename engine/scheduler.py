@@ -384,7 +384,7 @@ class Scheduler:
             num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=len(request.output_token_ids),
         )
-        status = self._stop_status(request, token)
+        status = self._stop_status(request, token, rid in result.grammar_completed)
         if status is not None:
             delta.finish_reason = status.finish_reason
             delta.num_blocks = self.kv.num_blocks(rid)
@@ -394,11 +394,16 @@ class Scheduler:
             self._forget_if_group_done(request.group_id)
         return delta
 
-    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+    def _stop_status(
+        self, request: Request, token: int, grammar_completed: bool = False
+    ) -> RequestStatus | None:
         """EOS (unless ignore_eos) or a stop token id ends the sequence once ``min_tokens``
-        are out; max_tokens and max_model_len cut it at length."""
+        are out, and a completed grammar always does; max_tokens and max_model_len cut it
+        at length."""
         params = request.sampling_params
         num_output = len(request.output_token_ids)
+        if grammar_completed:
+            return RequestStatus.FINISHED_STOPPED
         if num_output > params.min_tokens and (
             token in params.stop_token_ids
             or (not params.ignore_eos and token in request.eos_token_ids)

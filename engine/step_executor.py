@@ -215,6 +215,7 @@ def _fail_all(batch: list[ScheduledRequest], exc: BaseException) -> StepResult:
 def _merge(into: StepResult, part: StepResult) -> None:
     into.output.sampled_token_ids.update(part.output.sampled_token_ids)
     into.output.logprobs.update(part.output.logprobs)
+    into.output.grammar_completed.update(part.output.grammar_completed)
     into.failed.update(part.failed)
     into.unexecuted.update(part.unexecuted)
 

@@ -27,7 +27,8 @@ class ServingContext:
     settings: ServerSettings
     metrics: ServerMetrics | None = None
     created: int = 0  # unix time the model was loaded, for /v1/models
-    # engine.structured.GrammarCompiler: checks output constraints before submission.
+    # engine.structured.GrammarCompiler: compile structured-output specs off the event
+    # loop (asyncio.to_thread) before submitting; None when the engine has none.
     grammar_compiler: Any = None
 
     @property

@@ -15,6 +15,7 @@ from engine.model.llama import LlamaModel
 from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
+from engine.structured import GrammarCompiler
 
 
 def make_core(
@@ -23,6 +24,7 @@ def make_core(
     scheduler: SchedulerConfig | None = None,
     eos_token_ids: tuple[int, ...] = (),
     kv_dtype: str = "float32",
+    grammars: GrammarCompiler | None = None,
 ) -> EngineCore:
     spec = model.spec
     shape = KVShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype)
@@ -34,7 +36,9 @@ def make_core(
         host_layout = KVPoolLayout(shape, cache.num_host_blocks, cache.block_size)
         pinned = model.device.type == "cuda"
         host_pool = KVPool(host_layout, torch.device("cpu"), pin_memory=pinned)
-    runner = ModelRunner(model, device_pool, host_pool, eos_token_ids=eos_token_ids)
+    runner = ModelRunner(
+        model, device_pool, host_pool, eos_token_ids=eos_token_ids, grammars=grammars
+    )
     return EngineCore(Scheduler(scheduler or SchedulerConfig(), cache, shape), runner)
 
 
