@@ -123,7 +123,9 @@ def client(server: LiveServer) -> Any:
 @pytest.fixture(scope="session")
 def smollm_tools_server(smollm_gguf: Path) -> Iterator[LiveServer]:
     """The embedded SmolLM2 (float32, so no test depends on the CPU's bf16 support),
-    served with tool_choice "auto" enabled through the hermes parser."""
+    served with tool_choice "auto" enabled through the hermes parser. Torch kernels: the
+    API is under test here, not the fused kernels, and this keeps the fixture from waiting
+    on their first compile."""
     from engine.builder import build_engine
 
     args = EngineArgs(
@@ -136,6 +138,7 @@ def smollm_tools_server(smollm_gguf: Path) -> Iterator[LiveServer]:
         swap_space_gib=0.01,
         max_num_seqs=16,
         max_num_batched_tokens=2048,
+        kernels="torch",
     )
     settings = ServerSettings(
         served_model_names=("smollm2",),

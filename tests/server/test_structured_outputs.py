@@ -17,12 +17,16 @@ from pydantic import BaseModel, Field
 
 from tests.server.conftest import TINY_MODEL_NAME, LiveServer
 
+# A hang guard, not a speed claim: building the SmolLM2 fixture on a busy shared CPU
+# can take several minutes, which pytest-timeout counts against the first test.
+pytestmark = pytest.mark.timeout(1800)
+
 ASK = [{"role": "user", "content": "Describe a person called Ada who is 36, as JSON."}]
 
 
 class Person(BaseModel):
     name: str = Field(max_length=24)
-    age: int
+    age: int = Field(ge=0, le=150)  # bounded: a small model may repeat digits
 
 
 TRIP_SCHEMA: dict[str, Any] = {
@@ -33,7 +37,7 @@ TRIP_SCHEMA: dict[str, Any] = {
         "budget": {
             "type": "object",
             "properties": {
-                "amount": {"type": "integer"},
+                "amount": {"type": "integer", "minimum": 0, "maximum": 100000},
                 "currency": {"enum": ["EUR", "USD"]},
             },
             "required": ["amount", "currency"],
