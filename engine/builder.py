@@ -151,7 +151,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     )
     _check_plan(plan)
     eos_ids = eos_token_ids(tokenizer, source)
-    grammars = GrammarCompiler(tokenizer, model.spec.vocab_size, eos_ids)
+    grammars = _grammar_compiler(tokenizer, model.spec.vocab_size, eos_ids)
     core = _wire(args, model, kv_shape, plan, device, max_model_len, eos_ids, grammars)
     _log_startup(source, model, args.quantization, kv_shape, plan)
     return BuiltEngine(
@@ -167,6 +167,18 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         eos_token_ids=eos_ids,
         grammar_compiler=grammars,
     )
+
+
+def _grammar_compiler(
+    tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...]
+) -> GrammarCompiler | None:
+    """The structured-output compiler, or None (logged) for a tokenizer xgrammar cannot
+    read: the engine still serves unconstrained requests."""
+    try:
+        return GrammarCompiler(tokenizer, vocab_size, eos_ids)
+    except Exception as exc:  # xgrammar raises RuntimeError/ValueError/TypeError variously
+        logger.warning("structured outputs are unavailable for this tokenizer: %s", exc)
+        return None
 
 
 def _position_table_size(args: EngineArgs) -> int:

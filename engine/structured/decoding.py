@@ -89,6 +89,11 @@ class GrammarDecoding:
         self._scratch = xgr.allocate_token_bitmask(1, self.vocab_size)
         self._stop_only = _stop_only_row(compiler.stop_token_ids, self.vocab_size)
 
+    @property
+    def num_sequences(self) -> int:
+        """Live constrained sequences with grammar state."""
+        return len(self._sequences)
+
     def forget(self, request_ids: Sequence[str]) -> None:
         """Drop the state of requests that left the engine."""
         for request_id in request_ids:

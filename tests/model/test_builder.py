@@ -9,7 +9,7 @@ import pytest
 from engine.builder import BuiltEngine, build_engine, find_embedded_model
 from engine.config import EngineArgs
 from engine.kv import accounting
-from engine.request import Request, SamplingParams
+from engine.request import FinishReason, Request, SamplingParams, StructuredOutputs
 
 SMALL_KV_GIB = 4 / 1024  # 4 MiB of KV: a few hundred blocks of the tiny model
 
@@ -56,6 +56,24 @@ def test_generates_through_the_core(built):
             tokens += delta.new_token_ids
     assert len(tokens) == 5
     assert all(0 <= t < len(built.tokenizer) for t in tokens)
+
+
+def test_the_grammar_compiler_feeds_the_runner(built):
+    """The server compiles through ``built.grammar_compiler``; the runner then finds the
+    grammar in the same cache instead of compiling again."""
+    compiler = built.grammar_compiler
+    assert compiler is not None and compiler.vocab_size == built.core.runner.model.spec.vocab_size
+    spec = StructuredOutputs.choice(["red", "green", "blue"])
+    compiler.compile(spec)
+    params = SamplingParams(max_tokens=10, temperature=0.0, structured_outputs=spec)
+    built.core.add_request([Request("g1", [1, 2, 3], params, eos_token_ids=built.eos_token_ids)])
+    tokens, finish = [], None
+    while built.core.has_unfinished():
+        for delta in built.core.step():
+            tokens += delta.new_token_ids
+            finish = delta.finish_reason
+    assert built.tokenizer.decode(tokens) in ("red", "green", "blue")
+    assert finish is FinishReason.STOP and compiler.num_compiled == 1
 
 
 def test_startup_log_reports_the_accounting(tiny_model_dir, caplog):
