@@ -19,6 +19,7 @@ from types import FrameType
 from engine.compute_thread import ComputeThread
 from engine.config import ADMISSION_POLICIES, PREEMPTION_MODES, EngineArgs
 from server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
+from server.tools.parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("kvserve")
 
@@ -95,6 +96,18 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="seconds a request may wait to be scheduled before a 503 (0 = no limit)",
     )
     http.add_argument("--shutdown-timeout", type=float, default=30.0, help="drain seconds")
+    tools = p.add_argument_group("tool calling")
+    tools.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto": parse tool calls out of the output',
+    )
+    tools.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=TOOL_CALL_PARSERS,
+        help="how tool calls look in the output (with --enable-auto-tool-choice)",
+    )
     http.add_argument(
         "--disable-ui", action="store_true", help="do not serve the live KV block map at /ui"
     )
@@ -165,6 +178,8 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         queue_timeout_s=args.queue_timeout,
         log_level=args.log_level,
         enable_ui=not args.disable_ui,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -5,6 +5,8 @@ fields we know but do not implement get a 400 that names them. The only fields a
 without effect on the output are ``user`` (an end-user label for abuse tracking),
 ``stream_options`` when there is no usage to report, ``response_format`` of type
 ``text`` and ``best_of`` equal to ``n``; explicit ``null`` values mean "the default".
+Structured outputs (``response_format``, vLLM's ``structured_outputs`` and ``guided_*``)
+are mapped in server/structured.py; tools in server/tools/.
 
 Beyond OpenAI, the vLLM sampling extensions are honoured: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``priority``
@@ -15,7 +17,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from server.structured import ResponseFormat, StructuredOutputsParams
+from server.tools.models import ToolCallMessage, ToolChoice, ToolDefinition
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -25,11 +30,9 @@ MAX_TOP_LOGPROBS = 20
 # Known OpenAI fields kvserve does not implement: a request using them is refused with a
 # message naming the field instead of being answered as if they were honoured.
 UNSUPPORTED_CHAT_FIELDS = (
-    "tools",
-    "tool_choice",
+    # The legacy function-calling API (superseded by ``tools``/``tool_choice``).
     "functions",
     "function_call",
-    "parallel_tool_calls",
     "audio",
     "modalities",
     "prediction",
@@ -91,6 +94,13 @@ class SamplingFields(StrictModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    # Output constraints, at most one per request (server/structured.py).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingFields:
@@ -127,25 +137,36 @@ class TextPart(StrictModel):
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "tool"]
+    tool_calls: list[ToolCallMessage] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this result answers
+    # Null (or absent) only for an assistant message that calls tools.
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, content: Any, info: ValidationInfo) -> Any:
+        calls_tools = info.data.get("role") == "assistant" and info.data.get("tool_calls")
+        if content is None and not calls_tools:
+            raise ValueError("required (it may be null only with 'tool_calls')")
+        return content
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry 'tool_calls'")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a message has 'tool_call_id' exactly when its role is 'tool'")
+        return self
 
     @property
     def text(self) -> str:
         """The message's text; content parts are joined with newlines."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
-
-
-class ResponseFormat(StrictModel):
-    type: str
-
-    @model_validator(mode="after")
-    def _only_text(self) -> ResponseFormat:
-        if self.type != "text":
-            raise ValueError(f"'response_format' of type '{self.type}' is not supported")
-        return self
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -153,7 +174,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: ResponseFormat | None = None
+    # Tool calling (server/tools/plan.py).
+    tools: list[ToolDefinition] | None = Field(None, min_length=1)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="before")
     @classmethod

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from server.tools.parsers import TOOL_CALL_PARSERS
+
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 
 
@@ -32,6 +34,9 @@ class ServerSettings:
     log_level: str = "info"
     # The live block-map page at /ui (server/ui/); --disable-ui turns it off.
     enable_ui: bool = True
+    # tool_choice "auto": parse tool calls out of free output (vLLM's flags of these names).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -48,3 +53,7 @@ class ServerSettings:
             raise ValueError("queue_timeout_s must be >= 0")
         if self.max_messages < 1:
             raise ValueError("max_messages must be >= 1")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")

@@ -22,6 +22,10 @@ from server.routes.streaming import (
     sse,
     stream_when_started,
 )
+from server.structured import constrained, requested_constraints
+from server.tools.events import OutputEvent, ToolCallStart, assemble, delta_of
+from server.tools.output import choice_output, finish_reason
+from server.tools.plan import ToolPlan, output_constraint, plan_tools
 
 router = APIRouter()
 
@@ -33,9 +37,12 @@ async def create_chat_completion(
     ctx: Ctx,
 ) -> JSONResponse | StreamingResponse:
     model = ctx.check_model(body.model)
-    prompt_ids = chat_prompt_ids(ctx, body.messages)
+    plan = plan_tools(body, ctx.settings)
+    constraint = output_constraint(plan, requested_constraints(body))
+    prompt_ids = chat_prompt_ids(ctx, body.messages, plan.tools)
     max_tokens = resolve_max_tokens(ctx, len(prompt_ids), body.requested_max_tokens, "messages")
     params = sampling_params(ctx, body, max_tokens, body.num_logprobs)
+    params = await constrained(ctx.grammar_compiler, params, constraint, plan.checks)
     run = GenerationRun(
         ctx,
         new_id("chatcmpl"),
@@ -45,7 +52,7 @@ async def create_chat_completion(
         priority=body.priority,
     )
     await run.submit()
-    formatter = _ChatFormatter(ctx, run, model, body)
+    formatter = _ChatFormatter(ctx, run, model, body, plan)
     if body.stream:
         return await stream_when_started(request, run, formatter.events)
     return await complete_or_abort(request, run, formatter.collect)
@@ -53,26 +60,46 @@ async def create_chat_completion(
 
 class _ChatFormatter:
     def __init__(
-        self, ctx: ServingContext, run: GenerationRun, model: str, body: ChatCompletionRequest
+        self,
+        ctx: ServingContext,
+        run: GenerationRun,
+        model: str,
+        body: ChatCompletionRequest,
+        plan: ToolPlan,
     ) -> None:
         self.ctx = ctx
         self.run = run
         self.model = model
         self.body = body
         self.created = now_unix()
+        # Each choice's text becomes content and tool calls (server/tools/output.py).
+        self.outputs = {c.index: choice_output(plan) for c in run.choices}
+        self.called_tools: set[int] = set()
+
+    def _events(self, update: ChoiceUpdate) -> list[OutputEvent]:
+        output = self.outputs[update.index]
+        events = output.feed(update.text)
+        if update.finish_reason is not None:
+            events += output.finish()
+        if any(isinstance(e, ToolCallStart) for e in events):
+            self.called_tools.add(update.index)
+        return events
+
+    def _finish_reason(self, index: int, reason: str | None) -> str | None:
+        return finish_reason(reason, index in self.called_tools)
 
     async def collect(self) -> dict[str, Any]:
-        texts: dict[int, list[str]] = {c.index: [] for c in self.run.choices}
+        events: dict[int, list[OutputEvent]] = {c.index: [] for c in self.run.choices}
         logprobs: dict[int, list[dict[str, Any]]] = {c.index: [] for c in self.run.choices}
         async for update in self.run:
-            texts[update.index].append(update.text)
+            events[update.index] += self._events(update)
             logprobs[update.index].extend(self._logprob_entries(update.logprobs))
         choices = [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": "".join(texts[c.index])},
+                "message": assemble(events[c.index]).as_openai(),
                 "logprobs": {"content": logprobs[c.index]} if self._wants_logprobs else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": self._finish_reason(c.index, c.finish_reason),
             }
             for c in self.run.choices
         ]
@@ -90,10 +117,14 @@ class _ChatFormatter:
         for choice in self.run.choices:
             yield self._chunk(choice.index, {"role": "assistant", "content": ""})
         async for update in self.run:
-            if update.text or update.logprobs:
-                yield self._chunk(update.index, {"content": update.text}, update=update)
+            deltas = [delta_of(event) for event in self._events(update)]
+            if not deltas and update.logprobs:
+                deltas = [{"content": ""}]
+            for i, delta in enumerate(deltas):  # the update's logprobs ride on its first
+                yield self._chunk(update.index, delta, update=update if i == 0 else None)
             if update.finish_reason is not None:
-                yield self._chunk(update.index, {}, finish_reason=update.finish_reason)
+                reason = self._finish_reason(update.index, update.finish_reason)
+                yield self._chunk(update.index, {}, finish_reason=reason)
         if self.body.include_usage:
             yield sse({**self._envelope(), "choices": [], "usage": self.run.usage()})
 

@@ -22,6 +22,7 @@ from server.routes.streaming import (
     sse,
     stream_when_started,
 )
+from server.structured import constrained, requested_constraints, single_constraint
 
 router = APIRouter()
 
@@ -38,6 +39,8 @@ async def create_completion(
     longest = max(len(ids) for ids in prompts)
     max_tokens = resolve_max_tokens(ctx, longest, body.requested_max_tokens, "prompt")
     params = sampling_params(ctx, body, max_tokens, body.num_logprobs)
+    constraint = single_constraint(requested_constraints(body))
+    params = await constrained(ctx.grammar_compiler, params, constraint)
     run = GenerationRun(
         ctx, new_id("cmpl"), prompts, params, stop=body.stop_strings, priority=body.priority
     )

@@ -10,12 +10,19 @@ from engine.request import SamplingParams
 from server.errors import APIError, invalid
 from server.protocol import ChatMessage, CompletionRequest, SamplingFields
 from server.routes.context import ServingContext
+from server.tools.models import ToolDefinition
+from server.tools.prompt import build_conversation, template_supports_tools
 
 
 def render_chat(
-    ctx: ServingContext, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+    ctx: ServingContext,
+    messages: Sequence[ChatMessage],
+    *,
+    add_generation_prompt: bool = True,
+    tools: Sequence[ToolDefinition] = (),
 ) -> str:
-    """The model's chat template applied to the messages."""
+    """The model's chat template applied to the messages (and the offered tools, see
+    server/tools/prompt.py)."""
     limit = ctx.settings.max_messages
     if len(messages) > limit:
         raise invalid(
@@ -26,16 +33,23 @@ def render_chat(
         )
     if not getattr(ctx.tokenizer, "chat_template", None):
         raise invalid("this model has no chat template; use /v1/completions", "messages")
-    conversation = [{"role": m.role, "content": m.text} for m in messages]
+    native = template_supports_tools(ctx.tokenizer)
+    conversation, template_kwargs = build_conversation(messages, tools, native)
     text: str = ctx.tokenizer.apply_chat_template(
-        conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+        conversation,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        **template_kwargs,
     )
     return text
 
 
-def chat_prompt_ids(ctx: ServingContext, messages: Sequence[ChatMessage]) -> list[int]:
+def chat_prompt_ids(
+    ctx: ServingContext, messages: Sequence[ChatMessage], tools: Sequence[ToolDefinition] = ()
+) -> list[int]:
     # The template already contains any BOS the model wants: add no special tokens twice.
-    ids: list[int] = ctx.tokenizer.encode(render_chat(ctx, messages), add_special_tokens=False)
+    prompt = render_chat(ctx, messages, tools=tools)
+    ids: list[int] = ctx.tokenizer.encode(prompt, add_special_tokens=False)
     return ids
 
 

@@ -119,3 +119,32 @@ def client(server: LiveServer) -> Any:
     import openai
 
     return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def smollm_tools_server(smollm_gguf: Path) -> Iterator[LiveServer]:
+    """The embedded SmolLM2 (float32, so no test depends on the CPU's bf16 support),
+    served with tool_choice "auto" enabled through the hermes parser. Torch kernels: the
+    API is under test here, not the fused kernels, and this keeps the fixture from waiting
+    on their first compile."""
+    from engine.builder import build_engine
+
+    args = EngineArgs(
+        model=str(smollm_gguf),
+        device="cpu",
+        dtype="float32",
+        max_model_len=2048,
+        num_kv_blocks=512,
+        block_size=16,
+        swap_space_gib=0.01,
+        max_num_seqs=16,
+        max_num_batched_tokens=2048,
+        kernels="torch",
+    )
+    settings = ServerSettings(
+        served_model_names=("smollm2",),
+        enable_auto_tool_choice=True,
+        tool_call_parser="hermes",
+    )
+    with live_server(build_engine(args), settings) as live:
+        yield live
