@@ -89,6 +89,7 @@ def serving_context(
         settings=settings,
         metrics=metrics,
         created=int(time.time()),
+        scheduling_policy=built.core.scheduler.config.scheduling_policy,
     )
 
 

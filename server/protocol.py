@@ -91,6 +91,8 @@ class SamplingFields(StrictModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    # vLLM's per-request prefix-cache salt: only requests with the same salt share blocks.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingFields:

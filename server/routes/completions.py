@@ -39,7 +39,13 @@ async def create_completion(
     max_tokens = resolve_max_tokens(ctx, longest, body.requested_max_tokens, "prompt")
     params = sampling_params(ctx, body, max_tokens, body.num_logprobs)
     run = GenerationRun(
-        ctx, new_id("cmpl"), prompts, params, stop=body.stop_strings, priority=body.priority
+        ctx,
+        new_id("cmpl"),
+        prompts,
+        params,
+        stop=body.stop_strings,
+        priority=body.priority,
+        cache_salt=body.cache_salt,
     )
     await run.submit()
     formatter = _CompletionFormatter(ctx, run, model, body, prompts)

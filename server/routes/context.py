@@ -27,6 +27,7 @@ class ServingContext:
     settings: ServerSettings
     metrics: ServerMetrics | None = None
     created: int = 0  # unix time the model was loaded, for /v1/models
+    scheduling_policy: str = "fcfs"  # the engine's; under fcfs a priority is refused
 
     @property
     def model_name(self) -> str:
