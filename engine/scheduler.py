@@ -50,8 +50,8 @@ from engine.outputs import (
 from engine.request import Request, RequestStatus
 from engine.step_cost import StepCost, prefill_token_budget
 
-# How many queued requests one step looks at when the ones ahead do not fit: bounds the
-# host work per step whatever the queue length.
+# How many queued requests one step looks at beyond the free sequence slots (the ones
+# ahead may not fit): bounds the host work per step whatever the queue length.
 ADMISSION_LOOKAHEAD = 16
 
 
@@ -346,7 +346,8 @@ class Scheduler:
     def _admit(self, step: _Step) -> None:
         """Swap in and admit in queue-key order what fits; see the module docstring for
         the bound on passing over a request that does not fit."""
-        candidates = list(itertools.islice(self._queued(), ADMISSION_LOOKAHEAD))
+        slots = max(0, self.config.max_num_seqs - len(self.running))
+        candidates = list(itertools.islice(self._queued(), slots + ADMISSION_LOOKAHEAD))
         passed_over: list[Request] = []
         limit = self.config.max_num_bypasses
         for request in candidates:
