@@ -4,7 +4,12 @@ Pure Python, no model: every request decodes one token per step, and the runner'
 is built outside the timed region, so the figure is the scheduler's own overhead per step
 (block growth, prefix-cache registration of filled blocks, stop checks, deltas).
 
-    .venv/bin/python bench/bench_scheduler.py [--requests 256] [--steps 400]
+    .venv/bin/python -m bench.bench_scheduler [--requests 256] [--steps 400]
+
+``--waiting 10,100,1000`` adds that many requests that cannot be admitted (the running
+ones take every sequence slot) behind the running ones, with a queue timeout checked every step
+and a bounded queued-token sum, and reports the per-step cost at each queue length: it
+must not grow with the queue.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import time
 from collections.abc import Callable
 
 from engine.config import CacheConfig, SchedulerConfig
+from engine.core import EngineCore
 from engine.kv.accounting import KVShape
 from engine.outputs import RunnerOutput
 from engine.request import Request, SamplingParams
@@ -24,7 +30,7 @@ from engine.scheduler import Scheduler
 SHAPE = KVShape(num_layers=30, num_kv_heads=3, head_dim=64, kv_dtype="bfloat16")
 
 
-def build_scheduler(args: argparse.Namespace) -> Scheduler:
+def build_scheduler(args: argparse.Namespace, waiting: int = 0) -> Scheduler:
     max_len = args.prompt_len + args.steps + 16
     blocks_per_seq = -(-max_len // args.block_size)
     cache = CacheConfig(
@@ -36,6 +42,7 @@ def build_scheduler(args: argparse.Namespace) -> Scheduler:
         max_model_len=max_len + 1,
         max_num_seqs=args.requests,
         max_num_batched_tokens=args.requests * args.prompt_len,
+        max_queued_tokens=10**12 if waiting else 0,  # a bound, so add() keeps the sum
     )
     scheduler = Scheduler(config, cache, SHAPE)
     params = SamplingParams(max_tokens=args.steps + 8, ignore_eos=True)
@@ -50,14 +57,27 @@ def decode_result(out: object) -> RunnerOutput:
     return RunnerOutput(sampled_token_ids={r.request_id: 17 for r in scheduled if r.sample})
 
 
-def measure(args: argparse.Namespace, clock: Callable[[], float]) -> list[float]:
-    scheduler = build_scheduler(args)
+def add_waiting(scheduler: Scheduler, args: argparse.Namespace, count: int) -> None:
+    """Requests that cannot start while the running ones take every sequence slot: they
+    stay queued (and looked at, and checked for expiry) for the whole run."""
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    for index in range(count):
+        prompt = [(index * 31 + pos) % 32000 for pos in range(args.prompt_len)]
+        scheduler.add_request([Request(f"w{index}", prompt, params, eos_token_ids=(2,))])
+
+
+def measure(args: argparse.Namespace, clock: Callable[[], float], waiting: int = 0) -> list[float]:
+    scheduler = build_scheduler(args, waiting)
     out = scheduler.schedule()  # the whole prefill in one step
     scheduler.update(out, decode_result(out))
     assert len(scheduler.running) == args.requests
+    add_waiting(scheduler, args, waiting)
+    core = EngineCore(scheduler, runner=None)  # type: ignore[arg-type]  # only for expiry
     samples = []
     for _ in range(args.steps):
         start = clock()
+        if waiting:
+            core.expire_queued(3600.0)  # none expires; the check itself is timed
         out = scheduler.schedule()
         schedule_done = clock()
         result = decode_result(out)
@@ -66,6 +86,7 @@ def measure(args: argparse.Namespace, clock: Callable[[], float]) -> list[float]
         end = clock()
         samples.append((schedule_done - start) + (end - resumed))
         assert len(out.scheduled) == args.requests
+    assert len(scheduler.waiting) == waiting
     scheduler.check_integrity()
     return samples
 
@@ -79,12 +100,20 @@ def main() -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
+        "--waiting",
+        default="",
+        help="comma-separated queue lengths (e.g. 10,100,1000): per-step cost at each",
+    )
+    parser.add_argument(
         "--cpu-time",
         action="store_true",
         help="time with the process CPU clock (robust when other jobs share the cores)",
     )
     args = parser.parse_args()
     clock = time.process_time if args.cpu_time else time.perf_counter
+    if args.waiting:
+        report_queue_lengths(args, clock, [int(n) for n in args.waiting.split(",")])
+        return
     medians, p99s, means, fastest = [], [], [], []
     for _ in range(args.repeats):
         samples = sorted(measure(args, clock))
@@ -104,6 +133,23 @@ def main() -> None:
         f"mean {min(means) * 1e6:.0f} us, p99 {min(p99s) * 1e6:.0f} us "
         f"({min(medians) * 1e6 / args.requests:.2f} us per request; best of {args.repeats})"
     )
+
+
+def report_queue_lengths(
+    args: argparse.Namespace, clock: Callable[[], float], lengths: list[int]
+) -> None:
+    """Interleaved repeats (each length once per round), best median per length."""
+    medians: dict[int, list[float]] = {n: [] for n in lengths}
+    for _ in range(args.repeats):
+        for n in lengths:
+            medians[n].append(statistics.median(measure(args, clock, n)))
+    print(
+        f"running={args.requests} steps={args.steps} repeats={args.repeats} "
+        f"clock={'process_time' if args.cpu_time else 'perf_counter'}"
+    )
+    for n in lengths:
+        runs = ", ".join(f"{m * 1e6:.0f}" for m in medians[n])
+        print(f"waiting={n:5d}: median step {min(medians[n]) * 1e6:.0f} us (runs: {runs} us)")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from engine.config import CacheConfig, EngineArgs, SchedulerConfig
+from engine.config import DEFAULT_MAX_STEP_TIME_MS, CacheConfig, EngineArgs, SchedulerConfig
 from engine.core import EngineCore
 from engine.kv import accounting
 from engine.kv.accounting import CapacityPlan, KVShape, TierCapacity
@@ -322,8 +322,20 @@ def _wire(
         admission_policy=args.admission_policy,
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
+        scheduling_policy=args.scheduling_policy,
+        max_step_time_s=_max_step_time_s(args, device),
     )
     return EngineCore(Scheduler(scheduler_config, cache_config, kv_shape), runner)
+
+
+def _max_step_time_s(args: EngineArgs, device: torch.device) -> float:
+    """--max-step-time-ms, or the device's default when not given; 0 turns it off."""
+    millis = args.max_step_time_ms
+    if millis is None:
+        millis = DEFAULT_MAX_STEP_TIME_MS.get(device.type, DEFAULT_MAX_STEP_TIME_MS["cuda"])
+    if millis < 0:
+        raise ValueError("--max-step-time-ms must be >= 0 (0 = no time bound)")
+    return millis / 1000.0
 
 
 def _log_startup(

@@ -12,9 +12,14 @@ from typing import Literal
 
 PreemptionMode = Literal["recompute", "swap", "auto"]
 AdmissionPolicy = Literal["optimistic", "reserve"]
+SchedulingPolicy = Literal["fcfs", "priority"]
 
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap", "auto")
 ADMISSION_POLICIES: tuple[str, ...] = ("optimistic", "reserve")
+SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
+# --max-step-time-ms when not given, by device: a CPU step of a small model decoding 32
+# sequences takes ~100-200 ms, a GPU step tens of ms.
+DEFAULT_MAX_STEP_TIME_MS = {"cpu": 400.0, "cuda": 100.0}
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,16 @@ class SchedulerConfig:
     # Waiting-queue bounds (0 = unbounded): requests beyond them are rejected at add().
     max_queued_requests: int = 0
     max_queued_tokens: int = 0
+    # ``fcfs``: priorities are ignored (the server rejects non-zero ones); ``priority``:
+    # lower value first, and last to be preempted.
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    # How many requests behind a queued one that does not fit may be admitted before it
+    # holds the line (no admission behind it until it fits): the bound on starving.
+    max_num_bypasses: int = 8
+    # Target step time (0 = none): prefill tokens per step are bounded by it at the
+    # measured cost per token, never below ``min_prefill_tokens``; decodes are not cut.
+    max_step_time_s: float = 0.0
+    min_prefill_tokens: int = 32
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
@@ -73,6 +88,12 @@ class SchedulerConfig:
             raise ValueError(f"admission_policy must be one of {ADMISSION_POLICIES}")
         if self.max_queued_requests < 0 or self.max_queued_tokens < 0:
             raise ValueError("queue bounds must be >= 0")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}")
+        if self.max_num_bypasses < 0:
+            raise ValueError("max_num_bypasses must be >= 0")
+        if self.max_step_time_s < 0 or self.min_prefill_tokens < 1:
+            raise ValueError("max_step_time_s must be >= 0 and min_prefill_tokens >= 1")
 
 
 @dataclass(frozen=True)
@@ -104,6 +125,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     max_queued_requests: int = 0
     max_queued_tokens: int = 0
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    max_step_time_ms: float | None = None  # None: DEFAULT_MAX_STEP_TIME_MS of the device
     seed: int = 0
     # Weight quantization of the projections and LM head: none | int8 | int4 (CPU only).
     quantization: str = "none"

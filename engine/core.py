@@ -20,6 +20,7 @@ from typing import Protocol
 from engine.outputs import EngineStats, RequestDelta, RunnerOutput, SchedulerOutput, TierOp
 from engine.request import FinishReason, Request
 from engine.scheduler import Scheduler
+from engine.step_cost import StepCostMeter
 from engine.step_executor import EngineFault, StepExecutor
 
 # RequestDelta.error_code values.
@@ -58,6 +59,9 @@ class EngineCore:
         self._groups: dict[str, list[Request]] = {}
         self._oom_preemptions: dict[str, int] = {}  # request id -> count
         self._stats = scheduler.stats()
+        # Seconds per prefill and decode token, measured around the runner; the
+        # scheduler sizes its prefill budget from it (SchedulerConfig.max_step_time_s).
+        self.step_cost = StepCostMeter()
 
     @property
     def runner(self) -> Runner:
@@ -97,7 +101,9 @@ class EngineCore:
         if out.is_empty and not out.finished_request_ids:
             self._publish()  # a step may preempt (recompute) without scheduling anything
             return []
+        started = time.perf_counter()
         result = self.executor.execute(out)
+        self._measure(out, time.perf_counter() - started)
         reasons = {**result.failed, **self._preempt_unexecuted(result.unexecuted)}
         failed = self._fail(reasons, ENGINE_FAULT) if reasons else []
         deltas = failed + self.scheduler.update(out, result.output)
@@ -128,11 +134,10 @@ class EngineCore:
         scheduled (preempted requests already started and are not counted)."""
         if timeout_s <= 0:
             return []
-        now = time.monotonic()
+        cutoff = time.monotonic() - timeout_s
         expired = {
             r.request_id: f"waited more than {timeout_s:g} s in the queue; retry later"
-            for r in self.scheduler.waiting
-            if r.first_scheduled_time is None and now - r.arrival_time > timeout_s
+            for r in self.scheduler.unscheduled_older_than(cutoff)
         }
         if not expired:
             return []
@@ -187,6 +192,13 @@ class EngineCore:
             self.scheduler.check_integrity()
         except AssertionError as exc:
             raise EngineFault(f"KV state inconsistent after a failed step: {exc}") from exc
+
+    def _measure(self, out: SchedulerOutput, seconds: float) -> None:
+        """Feed the step's duration to the cost meter and the new estimate to the
+        scheduler (decode: one token of a request that samples; the rest is prefill)."""
+        decodes = sum(1 for r in out.scheduled if r.num_new_tokens == 1 and r.sample)
+        prefill = sum(r.num_new_tokens for r in out.scheduled) - decodes
+        self.scheduler.set_step_cost(self.step_cost.observe(prefill, decodes, seconds))
 
     def _publish(self) -> None:
         self._stats = self.scheduler.stats()

@@ -146,6 +146,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    # Scheduler bookkeeping: add order (tie-break of equal arrival times) and how often
+    # requests behind this one were admitted while it did not fit (bounded: no starving).
+    arrival_seq: int = 0
+    num_bypasses: int = 0
 
     def __post_init__(self) -> None:
         if not self.group_id:

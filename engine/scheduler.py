@@ -6,9 +6,18 @@ Each ``schedule()`` call fills one step under two budgets, ``max_num_batched_tok
 1. running requests, in admission order: one decode token each, or their next prefill
    chunk. A request that cannot get a block preempts the lowest-priority, latest-arriving
    running request (possibly itself), by recompute or by swap to the host pool;
-2. swapped-out requests, oldest first, when the device has room again;
-3. waiting requests, head of line first (FCFS within a priority), when their prompt fits
-   the admission policy.
+2. swapped-out and waiting requests together, in one order: the queue key
+   (priority, arrival), swapped before waiting on a tie. Each is swapped in or admitted
+   when it fits; one that does not fit is passed over by smaller ones behind it, but at
+   most ``max_num_bypasses`` times: then it holds the line, and nothing behind it is
+   admitted until it fits (running requests finish, so its blocks come free). The head of
+   the order is never left waiting while the blocks it needs are free (see
+   docs/RELIABILITY.md, "Fairness").
+
+Prefill tokens (chunks of running prompts, admissions) are bounded by the step's prefill
+budget as well as the token budget: from ``max_step_time_s`` and the step cost the core
+measures (``set_step_cost``), so a step that re-admits long histories cannot stall every
+decode for seconds. Decode tokens are never cut by it.
 
 Nothing is admitted or swapped in during a step that preempted, which keeps a freshly freed
 block from being refilled in the same step and rules out admit/preempt ping-pong.
@@ -18,8 +27,11 @@ stop rules and returns per-sequence deltas. Pure Python: no torch, no model conf
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, SchedulerConfig
@@ -36,16 +48,37 @@ from engine.outputs import (
     SchedulerOutput,
 )
 from engine.request import Request, RequestStatus
+from engine.step_cost import StepCost, prefill_token_budget
+
+# How many queued requests one step looks at beyond the free sequence slots (the ones
+# ahead may not fit): bounds the host work per step whatever the queue length.
+ADMISSION_LOOKAHEAD = 16
 
 
 @dataclass
 class _Step:
-    """The step being built: remaining token budget and what is scheduled so far."""
+    """The step being built: remaining token budgets and what is scheduled so far.
+    ``prefill_budget`` bounds the tokens of requests that are not decoding."""
 
     out: SchedulerOutput
     budget: int
+    prefill_budget: int
     scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
     preempted: bool = False
+    # Reserve policy: blocks live requests may still allocate, summed once per step.
+    outstanding: int | None = None
+
+    def chunk(self, remaining: int) -> int:
+        """Tokens a request with ``remaining`` uncomputed tokens may compute this step:
+        a decode (one token) only needs the token budget."""
+        if remaining <= 1:
+            return min(remaining, self.budget)
+        return min(remaining, self.budget, self.prefill_budget)
+
+    def charge(self, num_new: int) -> None:
+        self.budget -= num_new
+        if num_new > 1:
+            self.prefill_budget -= num_new
 
 
 class Scheduler:
@@ -71,6 +104,12 @@ class Scheduler:
         self._unforked: dict[str, list[Request]] = {}  # group id -> children not yet forked
         self._finished_ids: list[str] = []
         self._counters = StatsCounters()
+        self._queued_tokens = 0  # tokens of the waiting queue, kept with every move
+        # Never-scheduled requests in add order, for queue timeouts; entries that were
+        # scheduled or ended since are dropped lazily when they reach the front.
+        self._unscheduled: deque[Request] = deque()
+        self._arrivals = itertools.count()  # tie-break of equal queue keys: add order
+        self._step_cost = StepCost()
 
     # -- requests in and out -----------------------------------------------------------------
 
@@ -88,11 +127,13 @@ class Scheduler:
         self._check_queue_room(parent)
         for request in group:
             request.status = RequestStatus.WAITING
+            request.arrival_seq = next(self._arrivals)
             self._requests[request.request_id] = request
         self._groups[parent.group_id] = group
         if len(group) > 1:
             self._unforked[parent.group_id] = group[1:]
         self._enqueue_waiting(parent, front=False)
+        self._unscheduled.append(parent)
 
     def abort(self, group_id: str) -> None:
         """Drop every sequence of the group and free its blocks; unknown ids are ignored."""
@@ -111,7 +152,7 @@ class Scheduler:
                 self.loading.remove(request)
                 self._loads.pop(request.request_id, None)
             elif not any(request is child for child in unforked):
-                self.waiting.remove(request)
+                self._remove_waiting(request)
             self._retire(request, RequestStatus.FINISHED_ABORTED)
 
     def preempt_unexecuted(self, request_id: str) -> bool:
@@ -157,36 +198,79 @@ class Scheduler:
             )
         max_tokens = self.config.max_queued_tokens
         if max_tokens:
-            queued = sum(r.num_tokens for r in self.waiting)
+            queued = self._queued_tokens
             if queued + parent.num_prompt_tokens > max_tokens:
                 raise RequestRejected(
                     "queue_full",
                     f"{queued} prompt tokens are already queued (limit {max_tokens}); retry later",
                 )
 
+    def _queue_key(self, request: Request) -> tuple[int, float]:
+        """The order of swap-ins and admissions: (priority, arrival); under ``fcfs``
+        priorities are ignored."""
+        priority = request.priority if self.config.scheduling_policy == "priority" else 0
+        return (priority, request.arrival_time)
+
     def _enqueue_waiting(self, request: Request, front: bool) -> None:
-        """Insert by priority: a new request after its equals, a preempted one before them."""
+        """Insert by queue key: a new request after its equals, a preempted one before
+        them. New requests arrive last, so the scan from the back is short."""
         waiting = self.waiting
+        key = self._queue_key(request)
         index = len(waiting)
         if front:
             index = 0
-            while index < len(waiting) and waiting[index].priority < request.priority:
+            while index < len(waiting) and self._queue_key(waiting[index]) < key:
                 index += 1
         else:
-            while index > 0 and waiting[index - 1].priority > request.priority:
+            while index > 0 and self._queue_key(waiting[index - 1]) > key:
                 index -= 1
         waiting.insert(index, request)
+        self._queued_tokens += request.num_tokens
+
+    def _remove_waiting(self, request: Request) -> None:
+        self.waiting.remove(request)
+        self._queued_tokens -= request.num_tokens
+
+    def _enqueue_swapped(self, request: Request) -> None:
+        swapped = self.swapped
+        key = self._queue_key(request)
+        index = len(swapped)
+        while index > 0 and self._queue_key(swapped[index - 1]) > key:
+            index -= 1
+        swapped.insert(index, request)
+
+    def set_step_cost(self, cost: StepCost) -> None:
+        """The measured cost of a token (seconds, prefill and decode), for the prefill
+        budget of the next steps; fed by the core, plain numbers."""
+        self._step_cost = cost
+
+    def unscheduled_older_than(self, cutoff: float) -> list[Request]:
+        """Waiting requests never scheduled that arrived before ``cutoff`` (monotonic
+        seconds), oldest first. Cost: the expired ones plus the stale entries dropped, not
+        the queue length (arrivals are in add order)."""
+        pending = self._unscheduled
+        while pending and (pending[0].first_scheduled_time is not None or pending[0].is_finished):
+            pending.popleft()
+        expired = []
+        for request in pending:
+            if request.arrival_time >= cutoff:
+                break
+            if request.first_scheduled_time is None and not request.is_finished:
+                expired.append(request)
+        return expired
 
     # -- scheduling ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         """Build the next step. See the module docstring for the order of decisions."""
-        step = _Step(out=SchedulerOutput(), budget=self.config.max_num_batched_tokens)
+        step = _Step(
+            out=SchedulerOutput(),
+            budget=self.config.max_num_batched_tokens,
+            prefill_budget=self._prefill_budget(),
+        )
         self._schedule_running(step)
         if not step.preempted:
-            self._swap_in(step)
-            if not self.swapped:
-                self._admit_waiting(step)
+            self._admit(step)
         out = step.out
         out.scheduled = list(step.scheduled.values())
         out.copies = self.kv.take_copies()
@@ -203,7 +287,9 @@ class Scheduler:
                 return
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            num_new = step.chunk(request.num_tokens - request.num_computed_tokens)
+            if num_new == 0:
+                continue  # a prefill past this step's prefill budget waits a step
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self._pick_victim()
                 self._preempt(victim, step)
@@ -213,9 +299,9 @@ class Scheduler:
                 self._add_to_step(step, request, num_new)
 
     def _pick_victim(self) -> Request:
-        """Lowest priority (highest value), then latest arrival; ties go to the latest
-        admitted, hence the reversed scan."""
-        return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
+        """The last by queue key: lowest priority (highest value, under ``priority``),
+        then latest arrival; ties go to the latest admitted, hence the reversed scan."""
+        return max(reversed(self.running), key=self._queue_key)
 
     def _preempt(self, victim: Request, step: _Step) -> None:
         self.running.remove(victim)
@@ -228,7 +314,7 @@ class Scheduler:
             step.out.swap_out.extend(pairs)
             self._counters.blocks_swapped_out += len(pairs)
             victim.status = RequestStatus.SWAPPED
-            self.swapped.append(victim)
+            self._enqueue_swapped(victim)
         else:
             self.kv.free(victim)
             victim.num_computed_tokens = 0
@@ -247,48 +333,107 @@ class Scheduler:
             return "recompute"
         return "swap"
 
-    def _swap_in(self, step: _Step) -> None:
-        watermark = self.cache_config.watermark_blocks
-        while self.swapped and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.swapped[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
-            held = len(self.kv.host_tables[request.request_id])
-            total = request.num_computed_tokens + num_new
-            need = max(held, blocks_for_tokens(total, self.block_size))
-            if need > self.kv.device.num_free - watermark:
-                return
-            self.swapped.popleft()
-            pairs = self.kv.swap_in(request)
-            step.out.swap_in.extend(pairs)
-            self._counters.blocks_swapped_in += len(pairs)
-            new_blocks = self.kv.allocate_slots(request, num_new)
-            assert new_blocks is not None, "room for the swapped-in request was checked"
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._add_to_step(step, request, num_new)
+    def _prefill_budget(self) -> int:
+        """Prefill tokens this step may compute: the token budget less one token per
+        decode, further bounded by ``max_step_time_s`` at the measured step cost."""
+        decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens <= 1)
+        room = max(0, self.config.max_num_batched_tokens - decodes)
+        if self.config.max_step_time_s <= 0:
+            return room
+        timed = prefill_token_budget(
+            self._step_cost, self.config.max_step_time_s, decodes, self.config.min_prefill_tokens
+        )
+        return min(room, timed)
 
-    def _admit_waiting(self, step: _Step) -> None:
-        max_seqs = self.config.max_num_seqs
-        while self.waiting and step.budget > 0:
-            request = self.waiting[0]
-            group_size = 1 + len(self._unforked.get(request.group_id, ()))
-            if self.running and len(self.running) + group_size > max_seqs:
+    def _queued(self) -> Iterator[Request]:
+        """Swapped and waiting requests merged by queue key (swapped first on a tie),
+        lazily: a step reads only as far as it admits."""
+        swapped = ((self._queue_key(r), 0, r.arrival_seq, r) for r in self.swapped)
+        waiting = ((self._queue_key(r), 1, r.arrival_seq, r) for r in self.waiting)
+        return (entry[3] for entry in heapq.merge(swapped, waiting))
+
+    def _admit(self, step: _Step) -> None:
+        """Swap in and admit in queue-key order what fits; see the module docstring for
+        the bound on passing over a request that does not fit."""
+        slots = max(0, self.config.max_num_seqs - len(self.running))
+        candidates = list(itertools.islice(self._queued(), slots + ADMISSION_LOOKAHEAD))
+        passed_over: list[Request] = []
+        limit = self.config.max_num_bypasses
+        for request in candidates:
+            if step.budget <= 0:
                 return
-            hits = self.kv.find_cached_prefix(request)
-            if self._start_tier_load(request, hits, group_size):
+            if passed_over and passed_over[-1].num_bypasses >= limit:
+                return  # a request passed over too often holds the line
+            if request.status is RequestStatus.SWAPPED:
+                admitted = self._try_swap_in(step, request)
+            else:
+                admitted = self._try_admit(step, request)
+            if admitted is None:
+                return  # no sequence slot or token budget left: nothing behind fits either
+            if not admitted:
+                # Kept sorted by bypass count, so the last one says whether to stop.
+                passed_over.append(request)
+                passed_over.sort(key=lambda r: r.num_bypasses)
                 continue
-            num_hit = len(hits) * self.block_size
-            num_new = min(request.num_tokens - num_hit, step.budget)
-            reserve = self._admission_reserve(request, num_hit + num_new, group_size)
-            if self.kv.allocate_slots(request, num_new, hits, reserve) is None:
-                return
-            self.waiting.popleft()
-            self._on_admitted(request, num_hit)
-            self.kv.count_tier_lookup(request, len(hits))
-            self.running.append(request)
-            self._add_to_step(step, request, num_new)
+            for waiting in passed_over:
+                waiting.num_bypasses += 1
 
-    def _start_tier_load(self, request: Request, hits: list[int], group_size: int) -> bool:
+    def _try_swap_in(self, step: _Step, request: Request) -> bool | None:
+        """Swap ``request`` in and schedule it if it fits; None when no request can be
+        scheduled any more this step."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return None
+        num_new = step.chunk(request.num_tokens - request.num_computed_tokens)
+        if num_new == 0:
+            return False
+        held = len(self.kv.host_tables[request.request_id])
+        total = request.num_computed_tokens + num_new
+        need = max(held, blocks_for_tokens(total, self.block_size))
+        if need > self.kv.device.num_free - self.cache_config.watermark_blocks:
+            return False
+        self.swapped.remove(request)
+        pairs = self.kv.swap_in(request)
+        step.out.swap_in.extend(pairs)
+        self._counters.blocks_swapped_in += len(pairs)
+        new_blocks = self.kv.allocate_slots(request, num_new)
+        assert new_blocks is not None, "room for the swapped-in request was checked"
+        request.status = RequestStatus.RUNNING
+        request.num_bypasses = 0
+        self.running.append(request)
+        self._add_to_step(step, request, num_new)
+        if step.outstanding is not None:  # its final blocks were counted as swapped
+            step.outstanding += self._still_needed(request) - self._final_blocks(request)
+        return True
+
+    def _try_admit(self, step: _Step, request: Request) -> bool | None:
+        """Admit ``request`` (its first prefill chunk) if it fits; None when no request
+        can be scheduled any more this step."""
+        group_size = 1 + len(self._unforked.get(request.group_id, ()))
+        if self.running and len(self.running) + group_size > self.config.max_num_seqs:
+            return None
+        hits = self.kv.find_cached_prefix(request)
+        if self._start_tier_load(step, request, hits, group_size):
+            return True
+        num_hit = len(hits) * self.block_size
+        num_new = step.chunk(request.num_tokens - num_hit)
+        if num_new == 0:
+            return False
+        reserve = self._admission_reserve(step, request, num_hit + num_new, group_size)
+        if self.kv.allocate_slots(request, num_new, hits, reserve) is None:
+            return False
+        self._remove_waiting(request)
+        self._on_admitted(request, num_hit)
+        self.kv.count_tier_lookup(request, len(hits))
+        request.num_bypasses = 0
+        self.running.append(request)
+        self._add_to_step(step, request, num_new)
+        if step.outstanding is not None:
+            step.outstanding += self._still_needed(request)
+        return True
+
+    def _start_tier_load(
+        self, step: _Step, request: Request, hits: list[int], group_size: int
+    ) -> bool:
         """Admit the head of the queue into LOADING when a lower tier holds the blocks
         after its device hit: they are loaded back this step instead of recomputed, and
         the request computes the rest from the next step on. False: admit it as usual."""
@@ -296,16 +441,19 @@ class Scheduler:
         if not found:
             return False
         covered = (len(hits) + len(found)) * self.block_size
-        reserve = self._admission_reserve(request, covered, group_size)
+        reserve = self._admission_reserve(step, request, covered, group_size)
         if not self.kv.start_load(request, hits, found, reserve):
             return False
         self.kv.count_tier_lookup(request, len(hits))
-        self.waiting.popleft()
+        self._remove_waiting(request)
+        request.num_bypasses = 0
         self._on_admitted(request, covered)
         request.num_computed_tokens = len(hits) * self.block_size
         request.status = RequestStatus.LOADING
         self.loading.append(request)
         self._loads[request.request_id] = len(found)
+        if step.outstanding is not None:
+            step.outstanding += self._still_needed(request)
         return True
 
     def finish_loads(self, loaded: dict[str, int]) -> None:
@@ -329,7 +477,9 @@ class Scheduler:
             self.running.append(request)
         self.loading = []
 
-    def _admission_reserve(self, request: Request, covered: int, group_size: int) -> int:
+    def _admission_reserve(
+        self, step: _Step, request: Request, covered: int, group_size: int
+    ) -> int:
         """Blocks that must stay free after allocating the first chunk of ``request``.
 
         ``optimistic``: the watermark plus the rest of its prompt. ``reserve``: the
@@ -343,19 +493,26 @@ class Scheduler:
             return reserve + blocks_for_tokens(request.num_tokens, block_size) - already
         own = self._final_blocks(request) - already
         children = (group_size - 1) * self._child_blocks(request)
-        return reserve + own + children + self._outstanding_blocks()
+        if step.outstanding is None:
+            step.outstanding = self._outstanding_blocks()
+        return reserve + own + children + step.outstanding
 
     def _outstanding_blocks(self) -> int:
-        """Blocks live requests may still allocate before they finish (reserve policy)."""
-        total = 0
-        for request in self.running:
-            held = self.kv.num_blocks(request.request_id)
-            total += max(0, self._final_blocks(request) - held)
-            total += len(self._unforked.get(request.group_id, ())) * self._child_blocks(request)
-            if request.index > 0 and request.num_computed_tokens < request.num_prompt_tokens:
-                total += 1  # a fresh fork still has to copy its shared last block
+        """Blocks live requests may still allocate before they finish (reserve policy).
+        Summed once per step (O(running + swapped), never the waiting queue); each
+        admission of the step then adds its own share."""
+        total = sum(self._still_needed(request) for request in self.running)
         for request in self.swapped:
             total += self._final_blocks(request)
+        return total
+
+    def _still_needed(self, request: Request) -> int:
+        """Blocks a running request (with its unforked children) may still allocate."""
+        held = self.kv.num_blocks(request.request_id)
+        total = max(0, self._final_blocks(request) - held)
+        total += len(self._unforked.get(request.group_id, ())) * self._child_blocks(request)
+        if request.index > 0 and request.num_computed_tokens < request.num_prompt_tokens:
+            total += 1  # a fresh fork still has to copy its shared last block
         return total
 
     def _final_blocks(self, request: Request) -> int:
@@ -392,7 +549,7 @@ class Scheduler:
             output_token_ids=request.output_token_ids,
             seed=request.seed,
         )
-        step.budget -= num_new
+        step.charge(num_new)
 
     # -- results -------------------------------------------------------------------------------
 

@@ -106,6 +106,7 @@ def serving_context(
         created=int(time.time()),
         grammar_compiler=getattr(built, "grammar_compiler", None),
         startup_facts=_startup_facts(built, engine),
+        scheduling_policy=built.core.scheduler.config.scheduling_policy,
     )
 
 

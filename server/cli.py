@@ -17,7 +17,13 @@ from collections.abc import Sequence
 from types import FrameType
 
 from engine.compute_thread import ComputeThread
-from engine.config import ADMISSION_POLICIES, PREEMPTION_MODES, EngineArgs
+from engine.config import (
+    ADMISSION_POLICIES,
+    DEFAULT_MAX_STEP_TIME_MS,
+    PREEMPTION_MODES,
+    SCHEDULING_POLICIES,
+    EngineArgs,
+)
 from server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
 from server.tools.parsers import TOOL_CALL_PARSERS
 
@@ -75,6 +81,20 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     sched.add_argument("--admission-policy", default="optimistic", choices=ADMISSION_POLICIES)
     sched.add_argument("--max-queued-requests", type=int, default=0, help="0 = unbounded")
     sched.add_argument("--max-queued-tokens", type=int, default=0, help="0 = unbounded")
+    sched.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=SCHEDULING_POLICIES,
+        help="fcfs: a non-zero request priority is a 400; priority: lower value first",
+    )
+    sched.add_argument(
+        "--max-step-time-ms",
+        type=float,
+        default=None,
+        help="target step time bounding prefill tokens per step (0 = off; default: "
+        + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_MAX_STEP_TIME_MS.items())
+        + ")",
+    )
     http = p.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, default=8000)
@@ -159,6 +179,8 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         enable_prefix_caching=args.enable_prefix_caching,
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
+        scheduling_policy=args.scheduling_policy,
+        max_step_time_ms=args.max_step_time_ms,
         seed=args.seed,
     )
 

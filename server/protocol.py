@@ -101,6 +101,8 @@ class SamplingFields(StrictModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's per-request prefix-cache salt: only requests with the same salt share blocks.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingFields:

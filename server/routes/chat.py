@@ -50,6 +50,7 @@ async def create_chat_completion(
         params,
         stop=body.stop_strings,
         priority=body.priority,
+        cache_salt=body.cache_salt,
     )
     await run.submit()
     formatter = _ChatFormatter(ctx, run, model, body, plan)

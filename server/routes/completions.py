@@ -42,7 +42,13 @@ async def create_completion(
     constraint = single_constraint(requested_constraints(body))
     params = await constrained(ctx.grammar_compiler, params, constraint)
     run = GenerationRun(
-        ctx, new_id("cmpl"), prompts, params, stop=body.stop_strings, priority=body.priority
+        ctx,
+        new_id("cmpl"),
+        prompts,
+        params,
+        stop=body.stop_strings,
+        priority=body.priority,
+        cache_salt=body.cache_salt,
     )
     await run.submit()
     formatter = _CompletionFormatter(ctx, run, model, body, prompts)

@@ -32,6 +32,7 @@ class ServingContext:
     grammar_compiler: Any = None
     # The startup log's totals and KV shape, for the block-map page (server/ui/facts.py).
     startup_facts: dict[str, Any] | None = None
+    scheduling_policy: str = "fcfs"  # the engine's; under fcfs a priority is refused
 
     @property
     def model_name(self) -> str:

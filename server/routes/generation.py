@@ -24,7 +24,7 @@ from engine.errors import EngineDeadError, RequestRejected
 from engine.outputs import RequestDelta, TokenLogprob
 from engine.request import Request, SamplingParams
 from server.detokenize import IncrementalDetokenizer, StopStringMatcher
-from server.errors import APIError, engine_dead, from_rejection
+from server.errors import APIError, engine_dead, from_rejection, invalid
 from server.routes.context import ServingContext
 
 T = TypeVar("T")
@@ -122,11 +122,19 @@ class GenerationRun:
         *,
         stop: Sequence[str] = (),
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
+        if priority and ctx.scheduling_policy != "priority":
+            raise invalid(
+                f"'priority' must be 0 under --scheduling-policy {ctx.scheduling_policy} "
+                "(the server was not started with --scheduling-policy priority)",
+                param="priority",
+            )
         self.ctx = ctx
         self.request_id = request_id
         self.params = params
         self.priority = priority
+        self.cache_salt = cache_salt
         self.start = time.monotonic()
         self._events: asyncio.Queue[tuple[int, list[RequestDelta]] | BaseException] = (
             asyncio.Queue()
@@ -171,6 +179,7 @@ class GenerationRun:
                 group_id=group_id,
                 index=i,
                 priority=self.priority,
+                cache_salt=self.cache_salt,
             )
             for i in range(len(group.choices))
         ]

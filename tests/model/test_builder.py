@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
-from engine.builder import BuiltEngine, build_engine, find_embedded_model
+from engine import builder
+from engine.builder import BuiltEngine, build_engine, find_embedded_model, resolve_dtype
 from engine.config import EngineArgs
 from engine.kv import accounting
 from engine.request import FinishReason, Request, SamplingParams, StructuredOutputs
@@ -14,10 +16,17 @@ from engine.request import FinishReason, Request, SamplingParams, StructuredOutp
 SMALL_KV_GIB = 4 / 1024  # 4 MiB of KV: a few hundred blocks of the tiny model
 
 
-@pytest.fixture(scope="module")
-def built(tiny_model_dir) -> BuiltEngine:
+# Every dtype a CPU serves, forced: `--dtype auto` picks one by the CPU's features, so a
+# test that left it to auto would check a different path on each machine.
+CPU_DTYPES = ("float32", "bfloat16")
+
+
+@pytest.fixture(scope="module", params=CPU_DTYPES)
+def built(request, tiny_model_dir) -> BuiltEngine:
     args = EngineArgs(
         model=str(tiny_model_dir),
+        device="cpu",
+        dtype=request.param,
         kv_cache_memory_gib=SMALL_KV_GIB,
         max_model_len=256,
         max_num_batched_tokens=256,
@@ -28,8 +37,8 @@ def built(tiny_model_dir) -> BuiltEngine:
 
 def test_plan_matches_the_allocated_pools(built):
     plan, shape = built.plan, built.kv_shape
-    assert (built.device, built.dtype) == ("cpu", "float32")
-    assert shape == accounting.KVShape(2, 2, 16, "float32")
+    assert built.device == "cpu" and built.dtype in CPU_DTYPES
+    assert shape == accounting.KVShape(2, 2, 16, built.dtype)
     assert plan.bytes_per_block == accounting.bytes_per_block(shape, 16)
     assert plan.kv_budget_bytes == int(SMALL_KV_GIB * accounting.GIB)
     assert plan.num_blocks == plan.kv_budget_bytes // plan.bytes_per_block
@@ -78,7 +87,10 @@ def test_the_grammar_compiler_feeds_the_runner(built):
 
 def test_startup_log_reports_the_accounting(tiny_model_dir, caplog):
     caplog.set_level(logging.INFO, logger="kvserve.engine")
-    built = build_engine(EngineArgs(model=str(tiny_model_dir), num_kv_blocks=40, max_model_len=64))
+    args = EngineArgs(
+        model=str(tiny_model_dir), dtype="float32", num_kv_blocks=40, max_model_len=64
+    )
+    built = build_engine(args)
     text = caplog.text
     assert built.plan.num_blocks == 40
     assert "40 blocks x 16 tokens = 640 tokens" in text
@@ -95,7 +107,7 @@ def test_startup_log_reports_the_accounting(tiny_model_dir, caplog):
 )
 def test_cache_too_small_for_one_sequence_names_the_flag(tiny_model_dir, overrides, flag):
     with pytest.raises(ValueError, match=flag) as info:
-        build_engine(EngineArgs(model=str(tiny_model_dir), **overrides))
+        build_engine(EngineArgs(model=str(tiny_model_dir), dtype="float32", **overrides))
     assert "--max-model-len" in str(info.value)
 
 
@@ -112,3 +124,15 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
 def test_embedded_model_is_found():
     path = find_embedded_model()
     assert path.suffix == ".gguf" and path.is_file()
+
+
+@pytest.mark.parametrize(
+    ("native_bf16", "expected"), [(True, torch.bfloat16), (False, torch.float32)]
+)
+def test_auto_dtype_follows_the_cpu_features(monkeypatch, native_bf16, expected):
+    """`--dtype auto` on a CPU: bfloat16 with bf16 matrix units (AVX512-BF16, AMX), float32
+    without them; both branches run on every machine, whatever its CPU."""
+    monkeypatch.setattr(builder, "cpu_has_native_bf16", lambda: native_bf16)
+    assert resolve_dtype("auto", torch.device("cpu")) == expected
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16

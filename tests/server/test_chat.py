@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.server.conftest import TINY_MODEL_NAME, LiveServer
 
@@ -358,15 +359,61 @@ def test_sampling_controls_change_or_keep_output(client: Any):
         assert resp.choices[0].message.content != greedy
 
 
-def test_user_and_priority_are_accepted(client: Any):
+def test_user_and_a_zero_priority_are_accepted(client: Any):
     resp = client.chat.completions.create(
         model=TINY_MODEL_NAME,
         messages=MESSAGES,
         max_tokens=2,
         user="tenant-a",
-        extra_body={"priority": -1, **NO_EOS},
+        extra_body={"priority": 0, **NO_EOS},
     )
     assert resp.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/completions"])
+def test_a_priority_under_fcfs_is_a_400_naming_the_field(server: LiveServer, path: str):
+    """The default --scheduling-policy fcfs: any client could otherwise jump the queue
+    and never be preempted."""
+    body: dict[str, Any] = {"model": TINY_MODEL_NAME, "max_tokens": 2, "priority": -1}
+    if path == "/completions":
+        body["prompt"] = "hello"
+    else:
+        body["messages"] = MESSAGES
+    resp = httpx.post(f"{server.v1}{path}", json=body, timeout=30)
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["param"] == "priority" and "--scheduling-policy" in error["message"]
+    assert server.wait_idle().device_blocks.used == 0
+
+
+def test_cache_salt_separates_prefix_cache_sharing(server: LiveServer):
+    """Equal salts share prefix blocks, different salts (or none) never do: the timing
+    side channel between tenants is closed by giving each its own salt."""
+    # Unique text, several blocks long, so no earlier test cached it.
+    text = "salted prefix " + " ".join(f"w{i}" for i in range(64))
+    url = f"{server.v1}/chat/completions"
+
+    def hits_of(salt: str | None, path: str = "/chat/completions") -> int:
+        before = server.wait_idle().prefix_cache_hits_total
+        body: dict[str, Any] = {"model": TINY_MODEL_NAME, "max_tokens": 1}
+        if path == "/completions":
+            body["prompt"] = text
+        else:
+            body["messages"] = [{"role": "user", "content": text}]
+        if salt is not None:
+            body["cache_salt"] = salt
+        resp = httpx.post(f"{server.v1}{path}", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        return server.wait_idle().prefix_cache_hits_total - before
+
+    assert hits_of("tenant-a") == 0
+    assert hits_of("tenant-b") == 0  # same prompt, another salt: no block shared
+    assert hits_of(None) == 0  # nor with no salt
+    assert hits_of("tenant-a") > 0  # the same salt shares its blocks
+    assert hits_of("tenant-c", "/completions") == 0
+    assert hits_of("tenant-c", "/completions") > 0
+    resp = httpx.post(url, json={"model": TINY_MODEL_NAME, "messages": MESSAGES, "cache_salt": ""})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "cache_salt"
 
 
 def test_load_tool_style_request(server: LiveServer):

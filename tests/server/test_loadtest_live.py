@@ -162,10 +162,13 @@ def test_loadtest_against_kvserve(kvserve_url: str, tmp_path: Path) -> None:
     )
     assert set(summary["goodput"]) >= {"slo", "good_requests", "fraction", "request_rate"}
     # The server's own view, scraped during the run.
+    # Peaks are sampled between scrapes, so only their presence and range are asserted
+    # (a busy machine may run the whole load between two scrapes); the counters below
+    # are the engine's own record and must be exact.
     server = doc["server_metrics"]
     assert server["available"] is True
-    assert 0 < server["peak"]["kv_usage_ratio"] <= 1
-    assert server["peak"]["num_running"] >= 1 and "num_waiting" in server["peak"]
+    assert 0 <= server["peak"]["kv_usage_ratio"] <= 1
+    assert {"num_running", "num_waiting"} <= set(server["peak"])
     assert server["peak"]["kv_blocks_capacity"] > 0
     assert server["increase"]["generation_tokens_total"] == 12 * 32
     # Turns 2 and 3 re-send their history: the prefix cache must serve part of it.
@@ -193,7 +196,8 @@ def test_small_kv_budget_preempts_without_errors(small_kv_kvserve_url: str, tmp_
     summary = doc["summary"]
     assert summary["requests"]["failed"] == 0, summary["requests"]["errors_by_status"]
     assert summary["requests"]["completed"] == 24
+    # The engine's counters, not a usage peak sampled between scrapes: a preemption
+    # happens only when a block allocation failed, i.e. the pool was full at that step.
     server = doc["server_metrics"]
-    preempted = server["increase"]["preemptions_total"]
-    assert preempted > 0
-    assert server["peak"]["kv_usage_ratio"] > 0.5
+    assert server["increase"]["preemptions_total"] > 0
+    assert server["increase"]["generation_tokens_total"] == 24 * 24

@@ -76,8 +76,10 @@ def test_protect_open_endpoints_puts_health_and_metrics_behind_the_key(tiny_buil
 
 @pytest.fixture(scope="module")
 def queue_server(tiny_model_dir: Path) -> Iterator[LiveServer]:
-    """One sequence at a time, at most two waiting."""
-    built = build_tiny(tiny_model_dir, max_num_seqs=1, max_queued_requests=2)
+    """One sequence at a time, at most two waiting; priorities honoured."""
+    built = build_tiny(
+        tiny_model_dir, max_num_seqs=1, max_queued_requests=2, scheduling_policy="priority"
+    )
     with live_server(built, ServerSettings(served_model_names=(TINY_MODEL_NAME,))) as live:
         yield live
 

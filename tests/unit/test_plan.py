@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.builder import cpu_has_native_bf16
+from engine import builder
 from engine.kv.accounting import GIB
 from server.plan import PlanReport, add_plan_parser, build_report, run_plan
 from tests.conftest import smollm_gguf_path, tiny_llama_config
@@ -60,10 +60,15 @@ def test_bytes_per_token_follow_the_formula(
     assert report.bytes_per_block == 16 * report.bytes_per_token
 
 
-def test_kv_dtype_auto_follows_the_serving_dtype(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("native_bf16", "cpu_dtype"), [(True, "bfloat16"), (False, "float32")])
+def test_kv_dtype_auto_follows_the_serving_dtype(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native_bf16: bool, cpu_dtype: str
+) -> None:
+    # Both CPU kinds on every machine: `--dtype auto` follows cpu_has_native_bf16().
+    monkeypatch.setattr(builder, "cpu_has_native_bf16", lambda: native_bf16)
     model = str(write_config(tmp_path))
     cpu = build_report(parse("--model", model, "--device", "cpu"))
-    assert cpu.dtype == ("bfloat16" if cpu_has_native_bf16() else "float32")
+    assert cpu.dtype == cpu_dtype
     assert cpu.kv_cache_dtype == cpu.dtype
     cuda = build_report(parse("--model", model, "--device", "cuda"))
     assert (cuda.dtype, cuda.kv_cache_dtype) == ("bfloat16", "bfloat16")

@@ -19,7 +19,11 @@ def make_scheduler(
     cache = CacheConfig(
         num_device_blocks=blocks, block_size=block_size, num_host_blocks=host, watermark=watermark
     )
-    defaults: dict[str, object] = {"max_model_len": 256, "max_num_batched_tokens": 64}
+    defaults: dict[str, object] = {
+        "max_model_len": 256,
+        "max_num_batched_tokens": 64,
+        "scheduling_policy": "priority",
+    }
     defaults.update(kwargs)
     return Scheduler(SchedulerConfig(**defaults), cache, SHAPE)  # type: ignore[arg-type]
 
