@@ -6,6 +6,7 @@ Order of operations on the float32 logits of each row:
     -> logit_bias -> min_tokens mask (EOS and stop ids)
     -> greedy rows: argmax
     -> other rows: / temperature -> top_k -> top_p -> min_p -> draw
+       (each truncation on what the previous one left, renormalised: transformers' order)
 
 Draws use the exponential race (argmax of p / E with E ~ Exp(1)), which equals sampling
 from p. A seeded request draws its noise from its own ``torch.Generator`` (one row of
@@ -200,30 +201,48 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 
 
 def apply_truncation(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """top_k, top_p and min_p on probabilities (rows not using one get a no-op value)."""
-    device = probs.device
-    use_top_k = any(r.params.top_k > 0 for r in rows)
-    use_top_p = any(r.params.top_p < 1.0 for r in rows)
-    if use_top_k or use_top_p:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        keep = torch.ones_like(sorted_probs, dtype=torch.bool)
-        if use_top_k:
-            vocab = probs.shape[-1]
-            k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows])
-            ranks = torch.arange(vocab, device=device).unsqueeze(0)
-            keep &= ranks < k.to(device).unsqueeze(1)
-        if use_top_p:
-            top_p = torch.tensor([r.params.top_p for r in rows], device=device).unsqueeze(1)
-            # Keep a token while the mass before it is below top_p (the first always stays).
-            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            keep &= mass_before < top_p
-        keep_unsorted = torch.zeros_like(keep).scatter(1, order, keep)
-        probs = probs * keep_unsorted
+    """top_k, then top_p, then min_p, each on the distribution the previous one left (as
+    transformers' warpers and vLLM do). Removed tokens get probability 0; the result is
+    not renormalised (the exponential race does not need it). Rows not using a control
+    get a no-op value for it."""
+    if any(r.params.top_k > 0 for r in rows):
+        probs = _top_k(probs, rows)
+    if any(r.params.top_p < 1.0 for r in rows):
+        probs = _top_p(probs, rows)
     if any(r.params.min_p > 0.0 for r in rows):
-        min_p = torch.tensor([r.params.min_p for r in rows], device=device).unsqueeze(1)
-        threshold = probs.amax(dim=-1, keepdim=True) * min_p
-        probs = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
+        probs = _min_p(probs, rows)
     return probs
+
+
+def _per_row(values: list[float] | list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, device=device).unsqueeze(1)
+
+
+def _top_k(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Keep the tokens at least as likely as the k-th (ties at the k-th all stay)."""
+    vocab = probs.shape[-1]
+    k = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows]
+    top = probs.topk(max(k), dim=-1).values
+    kth = top.gather(1, _per_row(k, probs.device) - 1)
+    return probs.masked_fill(probs < kth, 0.0)
+
+
+def _top_p(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Drop the least likely tokens whose renormalised mass, counted from the bottom,
+    stays within 1 - top_p; the most likely token always stays."""
+    ascending, order = probs.sort(dim=-1)
+    mass_up_to = (ascending / ascending.sum(dim=-1, keepdim=True)).cumsum(dim=-1)
+    drop_sorted = mass_up_to <= 1.0 - _per_row([r.params.top_p for r in rows], probs.device)
+    drop_sorted[:, -1] = False
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return probs.masked_fill(drop, 0.0)
+
+
+def _min_p(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Drop tokens less likely than min_p times the most likely one."""
+    min_p = _per_row([r.params.min_p for r in rows], probs.device)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p
+    return probs.masked_fill(probs < threshold, 0.0)
 
 
 def _raw_logprobs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
