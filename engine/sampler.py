@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.outputs import TokenLogprob
+from engine.penalty_state import PenaltyState
 from engine.request import SamplingParams
 
 
@@ -44,18 +45,21 @@ class SampleResult:
 
 
 class Sampler:
-    """Samples one token per row; keeps per-request generators until ``forget``."""
+    """Samples one token per row; keeps per-request generators and penalty counts until
+    ``forget``."""
 
     def __init__(self, eos_token_ids: tuple[int, ...] = (), seed: int = 0):
         self.eos_token_ids = tuple(eos_token_ids)
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
         self._generators: dict[str, torch.Generator] = {}
+        self._penalties = PenaltyState()
 
     def forget(self, request_ids: list[str]) -> None:
-        """Drop the generators of requests that left the engine."""
+        """Drop the generators and penalty counts of requests that left the engine."""
         for request_id in request_ids:
             self._generators.pop(request_id, None)
+        self._penalties.forget(request_ids)
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         logits = logits.to(torch.float32)
@@ -70,7 +74,7 @@ class Sampler:
 
     def _process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         if any(r.params.needs_penalties for r in rows):
-            logits = apply_penalties(logits, rows)
+            logits = apply_penalties(logits, rows, self._penalties)
         if any(r.params.logit_bias for r in rows):
             logits = apply_logit_bias(logits, rows)
         if any(len(r.output_token_ids) < r.params.min_tokens for r in rows):
@@ -165,23 +169,40 @@ def token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) ->
     return counts
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, rows: list[SamplingRow], state: PenaltyState | None = None
+) -> torch.Tensor:
     """Repetition penalty over prompt+output tokens (divide positive logits, multiply
-    negative ones); presence and frequency penalties over output tokens (OpenAI)."""
+    negative ones); presence and frequency penalties over output tokens (OpenAI).
+
+    Only rows that use a penalty are touched. Their counts come from ``state`` (kept on
+    the device between steps) or, without one, are rebuilt from the token lists.
+    """
     vocab, device = logits.shape[-1], logits.device
-    output_counts = token_counts([r.output_token_ids for r in rows], vocab, device)
-    prompt_seen = token_counts([r.prompt_token_ids for r in rows], vocab, device) > 0
-    seen = prompt_seen | (output_counts > 0)
+    index = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+    penalised_rows = [rows[i] for i in index]
+    prompts = [r.prompt_token_ids for r in penalised_rows]
+    outputs = [r.output_token_ids for r in penalised_rows]
+    if state is None:
+        output_counts = token_counts(outputs, vocab, device)
+        seen = (token_counts(prompts, vocab, device) > 0) | (output_counts > 0)
+    else:
+        ids = [r.request_id for r in penalised_rows]
+        output_counts, seen = state.counts(ids, prompts, outputs, vocab, device)
+    whole_batch = len(index) == len(rows)
+    row_index = torch.tensor(index, dtype=torch.long, device=device)
+    subset = logits if whole_batch else logits.index_select(0, row_index)
 
     def column(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, device=device).unsqueeze(1)
 
-    repetition = column([r.params.repetition_penalty for r in rows])
-    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(seen, penalised, logits)
-    logits = logits - column([r.params.frequency_penalty for r in rows]) * output_counts
-    presence = column([r.params.presence_penalty for r in rows])
-    return logits - presence * (output_counts > 0).to(logits.dtype)
+    repetition = column([r.params.repetition_penalty for r in penalised_rows])
+    penalised = torch.where(subset > 0, subset / repetition, subset * repetition)
+    subset = torch.where(seen, penalised, subset)
+    subset = subset - column([r.params.frequency_penalty for r in penalised_rows]) * output_counts
+    presence = column([r.params.presence_penalty for r in penalised_rows])
+    subset = subset - presence * (output_counts > 0).to(subset.dtype)
+    return subset if whole_batch else logits.index_copy(0, row_index, subset)
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
