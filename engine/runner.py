@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.model.attention import SequenceChunk, build_metadata
-from engine.model.kv_cache import KVPool, PagedKVCache, copy_blocks
+from engine.model.kv_cache import CopyStaging, KVPool, PagedKVCache, copy_blocks
 from engine.model.llama import LlamaModel
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.sampler import Sampler, SamplingRow
@@ -32,6 +32,7 @@ class ModelRunner:
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.cache = PagedKVCache(device_pool, model.dtype)
+        self.staging = CopyStaging(device_pool.layout, device_pool.key.device)
         self.sampler = Sampler(eos_token_ids=eos_token_ids, seed=seed)
 
     @property
@@ -52,9 +53,9 @@ class ModelRunner:
         if out.swap_out or out.swap_in:
             if self.host_pool is None:
                 raise RuntimeError("the scheduler asked for a swap but there is no host pool")
-            copy_blocks(self.device_pool, self.host_pool, out.swap_out)
-            copy_blocks(self.host_pool, self.device_pool, out.swap_in)
-        copy_blocks(self.device_pool, self.device_pool, out.copies)
+            copy_blocks(self.device_pool, self.host_pool, out.swap_out, self.staging)
+            copy_blocks(self.host_pool, self.device_pool, out.swap_in, self.staging)
+        copy_blocks(self.device_pool, self.device_pool, out.copies, self.staging)
 
     def _forward(self, batch: list[ScheduledRequest]) -> torch.Tensor:
         """Logits ``[sampled rows, vocab]`` for the requests in ``batch`` that sample."""
