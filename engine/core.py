@@ -86,6 +86,8 @@ class EngineCore:
             self._publish()  # a step may preempt (recompute) without scheduling anything
             return []
         result = self.executor.execute(out)
+        if result.failed_swap_out:
+            self.scheduler.recompute_failed_swap_out(result.failed_swap_out)
         reasons = {**result.failed, **self._preempt_unexecuted(result.unexecuted)}
         failed = self._fail(reasons, ENGINE_FAULT) if reasons else []
         deltas = failed + self.scheduler.update(out, result.output)
