@@ -113,3 +113,29 @@ def test_failed_swap_out_falls_back_to_recompute(model, error, failures):
     stats = core.stats()
     assert stats.preemptions_total["swap"] > 0
     assert stats.host_blocks.used == 0 and stats.device_blocks.used == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_chunked_swaps_between_cuda_and_pinned_host(kv_dtype: str):
+    """Device -> pinned host -> device in 1-block chunks returns every block intact."""
+    cuda = torch.device("cuda")
+    shape = KVShape(num_layers=3, num_kv_heads=2, head_dim=8, kv_dtype=kv_dtype)
+    layout = KVPoolLayout(shape, 24, 4)
+    device_pool = KVPool(layout, cuda)
+    host_pool = KVPool(layout, CPU, pin_memory=True)
+    assert host_pool.key.is_pinned()
+    for tensor in device_pool.tensors():
+        tensor.copy_(torch.randint(0, 100, tensor.shape, device=cuda).to(tensor.dtype))
+    original = [t.clone() for t in device_pool.tensors()]
+    staging = CopyStaging(layout, cuda, staging_bytes=1)
+    out_pairs = [(5, 0), (9, 1), (2, 2), (23, 3)]
+    copy_blocks(device_pool, host_pool, out_pairs, staging)
+    for tensor in device_pool.tensors():
+        tensor.zero_()
+    copy_blocks(host_pool, device_pool, [(h, d) for d, h in out_pairs], staging)
+    torch.cuda.synchronize()
+    for tensor, before in zip(device_pool.tensors(), original, strict=True):
+        blocks = [d for d, _ in out_pairs]
+        assert torch.equal(tensor[:, :, blocks], before[:, :, blocks])
