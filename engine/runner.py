@@ -13,6 +13,7 @@ import torch
 from engine.model.attention import SequenceChunk, build_metadata
 from engine.model.kv_cache import CopyStaging, KVPool, PagedKVCache, copy_blocks
 from engine.model.llama import LlamaModel
+from engine.model.memory import measured_memory
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.sampler import Sampler, SamplingRow
 
@@ -38,6 +39,11 @@ class ModelRunner:
     @property
     def block_size(self) -> int:
         return self.cache.block_size
+
+    def measured_memory(self) -> dict[str, int]:
+        """Measured bytes by component (engine/model/memory.py); safe from any thread."""
+        host = self.host_pool.tensors() if self.host_pool is not None else []
+        return measured_memory(self.device_pool.key.device, self.device_pool.tensors(), host)
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         out = scheduler_output
