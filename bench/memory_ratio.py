@@ -65,7 +65,7 @@ def ratios(sample: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def wait_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float = 900) -> None:
+def wait_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--duration", type=float, default=60)
     parser.add_argument("--scrape-interval", type=float, default=2.0)
+    parser.add_argument("--ready-timeout", type=float, default=1800, help="seconds to start")
     parser.add_argument("--serve-flag", action="append", default=[], help="extra serve flag")
     parser.add_argument("loadtest_args", nargs="*", help="after --: flags for loadtest")
     args = parser.parse_args()
@@ -97,7 +98,7 @@ def main() -> None:
         server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     scrapes: list[dict[str, Any]] = []
     try:
-        wait_ready(url, server)
+        wait_ready(url, server, args.ready_timeout)
         stop = threading.Event()
 
         def scrape_loop() -> None:
