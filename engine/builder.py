@@ -146,7 +146,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     activation = measure_activation_peak(model, kv_shape, args, max_model_len)
     plan = accounting.plan_capacity(
         kv_shape,
-        memory_budget_bytes=_memory_budget(args, device, weight_bytes, activation),
+        memory_budget_bytes=_memory_budget(args, device, kv_shape, weight_bytes, activation),
         weight_bytes=weight_bytes,
         activation_reserve_bytes=activation,
         block_size=args.block_size,
@@ -252,11 +252,16 @@ def _max_model_len(args: EngineArgs, model_limit: int) -> int:
     return args.max_model_len
 
 
-def _memory_budget(args: EngineArgs, device: torch.device, weights: int, activation: int) -> int:
+def _memory_budget(
+    args: EngineArgs, device: torch.device, kv_shape: KVShape, weights: int, activation: int
+) -> int:
     if device.type == "cuda":
         _, total = torch.cuda.mem_get_info(device)
         return int(args.gpu_memory_utilization * total)
-    return weights + activation + int(args.kv_cache_memory_gib * accounting.GIB)
+    # On the CPU --kv-cache-memory is the KV pool's own budget; the copy staging buffer
+    # comes on top of it, as the weights and activations do.
+    staging = accounting.copy_staging_bytes(kv_shape, args.block_size)
+    return weights + activation + staging + int(args.kv_cache_memory_gib * accounting.GIB)
 
 
 def _check_plan(plan: CapacityPlan) -> None:
@@ -356,10 +361,12 @@ def _log_startup(
         model.kernels.name,
     )
     logger.info(
-        "memory budget %s = weights %s + activation peak %s (measured) + KV budget %s",
+        "memory budget %s = weights %s + activation peak %s (measured) + block-copy staging "
+        "%s + KV budget %s",
         fmt(plan.memory_budget_bytes),
         fmt(plan.weight_bytes),
         fmt(plan.activation_reserve_bytes),
+        fmt(plan.copy_staging_bytes),
         fmt(plan.kv_budget_bytes),
     )
     logger.info(

@@ -104,6 +104,8 @@ class EngineCore:
         started = time.perf_counter()
         result = self.executor.execute(out)
         self._measure(out, time.perf_counter() - started)
+        if result.failed_swap_out:
+            self.scheduler.recompute_failed_swap_out(result.failed_swap_out)
         reasons = {**result.failed, **self._preempt_unexecuted(result.unexecuted)}
         failed = self._fail(reasons, ENGINE_FAULT) if reasons else []
         deltas = failed + self.scheduler.update(out, result.output)

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.model.attention import SequenceChunk, build_metadata
-from engine.model.kv_cache import KVPool, PagedKVCache, copy_blocks
+from engine.model.kv_cache import CopyStaging, KVPool, PagedKVCache, copy_blocks
 from engine.model.llama import LlamaModel
+from engine.model.memory import measured_memory
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.sampler import Sampler, SamplingRow
 
@@ -39,12 +40,18 @@ class ModelRunner:
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.cache = PagedKVCache(device_pool, model.dtype)
+        self.staging = CopyStaging(device_pool.layout, device_pool.key.device)
         self.sampler = Sampler(eos_token_ids=eos_token_ids, seed=seed)
         self.grammar = _grammar_decoding(grammars)
 
     @property
     def block_size(self) -> int:
         return self.cache.block_size
+
+    def measured_memory(self) -> dict[str, int]:
+        """Measured bytes by component (engine/model/memory.py); safe from any thread."""
+        host = self.host_pool.tensors() if self.host_pool is not None else []
+        return measured_memory(self.device_pool.key.device, self.device_pool.tensors(), host)
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         out = scheduler_output
@@ -62,9 +69,9 @@ class ModelRunner:
         if out.swap_out or out.swap_in:
             if self.host_pool is None:
                 raise RuntimeError("the scheduler asked for a swap but there is no host pool")
-            copy_blocks(self.device_pool, self.host_pool, out.swap_out)
-            copy_blocks(self.host_pool, self.device_pool, out.swap_in)
-        copy_blocks(self.device_pool, self.device_pool, out.copies)
+            copy_blocks(self.device_pool, self.host_pool, out.swap_out, self.staging)
+            copy_blocks(self.host_pool, self.device_pool, out.swap_in, self.staging)
+        copy_blocks(self.device_pool, self.device_pool, out.copies, self.staging)
 
     def _forward(self, batch: list[ScheduledRequest]) -> torch.Tensor:
         """Logits ``[sampled rows, vocab]`` for the requests in ``batch`` that sample."""

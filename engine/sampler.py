@@ -6,6 +6,7 @@ Order of operations on the float32 logits of each row:
     -> logit_bias -> min_tokens mask (EOS and stop ids)
     -> greedy rows: argmax
     -> other rows: / temperature -> top_k -> top_p -> min_p -> draw
+       (each truncation on what the previous one left, renormalised: transformers' order)
 
 Draws use the exponential race (argmax of p / E with E ~ Exp(1)), which equals sampling
 from p. A seeded request draws its noise from its own ``torch.Generator`` (one row of
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.outputs import TokenLogprob
+from engine.penalty_state import PenaltyState
 from engine.request import SamplingParams
 
 
@@ -43,18 +45,21 @@ class SampleResult:
 
 
 class Sampler:
-    """Samples one token per row; keeps per-request generators until ``forget``."""
+    """Samples one token per row; keeps per-request generators and penalty counts until
+    ``forget``."""
 
     def __init__(self, eos_token_ids: tuple[int, ...] = (), seed: int = 0):
         self.eos_token_ids = tuple(eos_token_ids)
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
         self._generators: dict[str, torch.Generator] = {}
+        self._penalties = PenaltyState()
 
     def forget(self, request_ids: list[str]) -> None:
-        """Drop the generators of requests that left the engine."""
+        """Drop the generators and penalty counts of requests that left the engine."""
         for request_id in request_ids:
             self._generators.pop(request_id, None)
+        self._penalties.forget(request_ids)
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         logits = logits.to(torch.float32)
@@ -69,7 +74,7 @@ class Sampler:
 
     def _process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         if any(r.params.needs_penalties for r in rows):
-            logits = apply_penalties(logits, rows)
+            logits = apply_penalties(logits, rows, self._penalties)
         if any(r.params.logit_bias for r in rows):
             logits = apply_logit_bias(logits, rows)
         if any(len(r.output_token_ids) < r.params.min_tokens for r in rows):
@@ -164,23 +169,40 @@ def token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) ->
     return counts
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, rows: list[SamplingRow], state: PenaltyState | None = None
+) -> torch.Tensor:
     """Repetition penalty over prompt+output tokens (divide positive logits, multiply
-    negative ones); presence and frequency penalties over output tokens (OpenAI)."""
+    negative ones); presence and frequency penalties over output tokens (OpenAI).
+
+    Only rows that use a penalty are touched. Their counts come from ``state`` (kept on
+    the device between steps) or, without one, are rebuilt from the token lists.
+    """
     vocab, device = logits.shape[-1], logits.device
-    output_counts = token_counts([r.output_token_ids for r in rows], vocab, device)
-    prompt_seen = token_counts([r.prompt_token_ids for r in rows], vocab, device) > 0
-    seen = prompt_seen | (output_counts > 0)
+    index = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+    penalised_rows = [rows[i] for i in index]
+    prompts = [r.prompt_token_ids for r in penalised_rows]
+    outputs = [r.output_token_ids for r in penalised_rows]
+    if state is None:
+        output_counts = token_counts(outputs, vocab, device)
+        seen = (token_counts(prompts, vocab, device) > 0) | (output_counts > 0)
+    else:
+        ids = [r.request_id for r in penalised_rows]
+        output_counts, seen = state.counts(ids, prompts, outputs, vocab, device)
+    whole_batch = len(index) == len(rows)
+    row_index = torch.tensor(index, dtype=torch.long, device=device)
+    subset = logits if whole_batch else logits.index_select(0, row_index)
 
     def column(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, device=device).unsqueeze(1)
 
-    repetition = column([r.params.repetition_penalty for r in rows])
-    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(seen, penalised, logits)
-    logits = logits - column([r.params.frequency_penalty for r in rows]) * output_counts
-    presence = column([r.params.presence_penalty for r in rows])
-    return logits - presence * (output_counts > 0).to(logits.dtype)
+    repetition = column([r.params.repetition_penalty for r in penalised_rows])
+    penalised = torch.where(subset > 0, subset / repetition, subset * repetition)
+    subset = torch.where(seen, penalised, subset)
+    subset = subset - column([r.params.frequency_penalty for r in penalised_rows]) * output_counts
+    presence = column([r.params.presence_penalty for r in penalised_rows])
+    subset = subset - presence * (output_counts > 0).to(subset.dtype)
+    return subset if whole_batch else logits.index_copy(0, row_index, subset)
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -200,30 +222,48 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 
 
 def apply_truncation(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """top_k, top_p and min_p on probabilities (rows not using one get a no-op value)."""
-    device = probs.device
-    use_top_k = any(r.params.top_k > 0 for r in rows)
-    use_top_p = any(r.params.top_p < 1.0 for r in rows)
-    if use_top_k or use_top_p:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        keep = torch.ones_like(sorted_probs, dtype=torch.bool)
-        if use_top_k:
-            vocab = probs.shape[-1]
-            k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows])
-            ranks = torch.arange(vocab, device=device).unsqueeze(0)
-            keep &= ranks < k.to(device).unsqueeze(1)
-        if use_top_p:
-            top_p = torch.tensor([r.params.top_p for r in rows], device=device).unsqueeze(1)
-            # Keep a token while the mass before it is below top_p (the first always stays).
-            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            keep &= mass_before < top_p
-        keep_unsorted = torch.zeros_like(keep).scatter(1, order, keep)
-        probs = probs * keep_unsorted
+    """top_k, then top_p, then min_p, each on the distribution the previous one left (as
+    transformers' warpers and vLLM do). Removed tokens get probability 0; the result is
+    not renormalised (the exponential race does not need it). Rows not using a control
+    get a no-op value for it."""
+    if any(r.params.top_k > 0 for r in rows):
+        probs = _top_k(probs, rows)
+    if any(r.params.top_p < 1.0 for r in rows):
+        probs = _top_p(probs, rows)
     if any(r.params.min_p > 0.0 for r in rows):
-        min_p = torch.tensor([r.params.min_p for r in rows], device=device).unsqueeze(1)
-        threshold = probs.amax(dim=-1, keepdim=True) * min_p
-        probs = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
+        probs = _min_p(probs, rows)
     return probs
+
+
+def _per_row(values: list[float] | list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, device=device).unsqueeze(1)
+
+
+def _top_k(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Keep the tokens at least as likely as the k-th (ties at the k-th all stay)."""
+    vocab = probs.shape[-1]
+    k = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows]
+    top = probs.topk(max(k), dim=-1).values
+    kth = top.gather(1, _per_row(k, probs.device) - 1)
+    return probs.masked_fill(probs < kth, 0.0)
+
+
+def _top_p(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Drop the least likely tokens whose renormalised mass, counted from the bottom,
+    stays within 1 - top_p; the most likely token always stays."""
+    ascending, order = probs.sort(dim=-1)
+    mass_up_to = (ascending / ascending.sum(dim=-1, keepdim=True)).cumsum(dim=-1)
+    drop_sorted = mass_up_to <= 1.0 - _per_row([r.params.top_p for r in rows], probs.device)
+    drop_sorted[:, -1] = False
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return probs.masked_fill(drop, 0.0)
+
+
+def _min_p(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Drop tokens less likely than min_p times the most likely one."""
+    min_p = _per_row([r.params.min_p for r in rows], probs.device)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p
+    return probs.masked_fill(probs < threshold, 0.0)
 
 
 def _raw_logprobs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:

@@ -172,6 +172,21 @@ class Scheduler:
         self._counters.preemptions["recompute"] += 1
         return True
 
+    def recompute_failed_swap_out(self, pairs: list[tuple[int, int]]) -> list[str]:
+        """The runner could not copy these swap-out (device, host) pairs: their host
+        blocks hold nothing usable, so the swapped requests owning them go back to the
+        waiting queue to be recomputed (their device blocks were freed by the swap-out).
+        Call before ``update()``. Returns their request ids."""
+        lost = {host for _, host in pairs}
+        victims = [r for r in self.swapped if lost.intersection(self.kv.host_tables[r.request_id])]
+        for request in victims:
+            self.swapped.remove(request)
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self._enqueue_waiting(request, front=True)
+        return [r.request_id for r in victims]
+
     def _validate_group(self, group: list[Request]) -> None:
         """Programming errors of the caller, not user input: fail loudly."""
         if not group:

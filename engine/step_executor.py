@@ -3,10 +3,13 @@
 The scheduler's bookkeeping for a step is final before the runner starts, so a failure
 inside the runner is survivable exactly when the damage stays inside that step's batch:
 
-- block moves (swap-out, swap-in, copy-on-write copies) run first, on their own. They
-  touch requests outside the batch (swap-out victims), so a failure there is fatal for
-  the engine; an out-of-memory error is retried once after freeing memory (the moves are
-  idempotent as long as no forward ran after them).
+- block moves run first, on their own; an out-of-memory error is retried once after
+  freeing memory (the moves are idempotent as long as no forward ran after them).
+  Swap-outs run before everything else: a swap-out only reads device blocks the
+  scheduler has already given up and writes host blocks, so when it fails even after the
+  retry its victims are reported (``failed_swap_out``) and the core sends them back to
+  be recomputed instead of failing the engine. Swap-ins and copy-on-write copies touch
+  blocks that live requests will read, so a failure there is fatal for the engine.
 - the forward and sampling then run over the batch. An out-of-memory error frees cached
   device memory and retries the batch in halves, down to single requests and then to
   halves of one request's token chunk (a chunked prefill, exact because attention reads
@@ -52,6 +55,9 @@ class StepResult:
     output: RunnerOutput
     failed: dict[str, str] = field(default_factory=dict)
     unexecuted: dict[str, str] = field(default_factory=dict)
+    # Swap-out (device, host) pairs that could not be copied: their host blocks hold
+    # nothing usable, so their requests must be recomputed.
+    failed_swap_out: list[tuple[int, int]] = field(default_factory=list)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -88,17 +94,19 @@ class StepExecutor:
         self.max_consecutive_failures = max_consecutive_failures
         self._consecutive_failures = 0
         self.num_oom_retries = 0  # forward pieces re-run after an out-of-memory error
+        self.num_failed_swap_outs = 0  # steps whose swap-out fell back to recompute
 
     def execute(self, out: SchedulerOutput) -> StepResult:
-        forward = out
-        if out.scheduled and (out.swap_out or out.swap_in or out.copies):
-            self._run_moves(_moves_only(out))
+        failed_swap_out = self._run_swap_out(out.swap_out) if out.swap_out else []
+        forward = dataclasses.replace(out, swap_out=[])
+        if out.scheduled and (out.swap_in or out.copies):
+            self._run_moves(_moves_only(forward))
             forward = SchedulerOutput(scheduled=out.scheduled)
         try:
             result = StepResult(self.runner.execute(forward))
         except Exception as exc:
             self._raise_if_fatal(exc)
-            if forward is out and (out.swap_out or out.swap_in or out.copies):
+            if forward.swap_in or forward.copies:
                 # Only moves, no batch: a failed move is never safe to contain.
                 raise EngineFault(f"block moves failed: {_describe(exc)}") from exc
             if not is_out_of_memory(exc):
@@ -108,10 +116,33 @@ class StepExecutor:
                 logger.warning("out of memory in a forward of %d requests", len(out.scheduled))
                 release_device_memory()
                 result = self._retry_smaller(out.scheduled)
+        result.failed_swap_out = failed_swap_out
         self._count(result)
         return result
 
     # -- moves ---------------------------------------------------------------------------
+
+    def _run_swap_out(self, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Copy the swap-out victims' blocks to the host; the pairs that failed (all of
+        them: a partly done copy is as unusable as none), or [] when it worked."""
+        moves = SchedulerOutput(swap_out=pairs)
+        for attempt in range(2):
+            try:
+                self.runner.execute(moves)
+                return []
+            except Exception as exc:
+                self._raise_if_fatal(exc)
+                logger.warning(
+                    "swap-out of %d blocks failed (%s)%s",
+                    len(pairs),
+                    _describe(exc),
+                    "; retrying" if attempt == 0 and is_out_of_memory(exc) else "",
+                )
+                if not is_out_of_memory(exc):
+                    break
+                release_device_memory()
+        self.num_failed_swap_outs += 1
+        return list(pairs)
 
     def _run_moves(self, moves: SchedulerOutput) -> None:
         try:

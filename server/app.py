@@ -148,6 +148,11 @@ def _make_metrics(
         kv_shape=built.kv_shape,
         weight_bytes=built.weight_bytes,
         health_fn=lambda: engine.is_alive,
+        memory_fn=getattr(built.core.runner, "measured_memory", None),
+        planned_bytes={
+            "activation_reserve": built.plan.activation_reserve_bytes,
+            "copy_staging": built.plan.copy_staging_bytes,
+        },
     )
 
 

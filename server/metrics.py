@@ -7,6 +7,10 @@ Two sources feed one registry per server instance (no module-level globals):
   scrape only copies a few numbers and never holds the engine loop.
 * Per-request latencies and lengths are histograms observed by the server through
   ``ServerMetrics.observe_request`` when a choice finishes.
+* The process itself (``process_resident_memory_bytes``, ``process_cpu_seconds_total``,
+  ``process_open_fds``...) comes from prometheus_client's ``ProcessCollector``, registered
+  on the same registry, and measured memory (``kvserve_device_memory_measured_bytes``)
+  from the runner at scrape time, beside the computed ``kvserve_device_memory_bytes``.
 
 Names follow Prometheus conventions: prefix ``kvserve_``, units in the name, counters
 ending in ``_total`` and a ``model_name`` label on every series. docs/METRICS.md lists
@@ -18,7 +22,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -39,9 +49,28 @@ FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
 REJECT_REASONS: tuple[str, ...] = ("too_long", "no_capacity", "queue_full", "invalid")
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap")
 
-LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
-E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# Latency buckets resolve both a GPU (milliseconds) and a loaded CPU (tens of seconds:
+# a 32-conversation CPU run saw a TTFT p99 of 37.7 s) with steps of at most 1.5x from
+# 10 ms up to a minute, then reach past the shutdown (30 s) and any sensible queue
+# timeout, as vLLM's TTFT buckets reach 2560 s.
+LATENCY_BUCKETS_S = (
+    *(0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08),
+    *(0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 7.5),
+    *(10.0, 15.0, 20.0, 25.0, 30.0, 40.0, 50.0, 60.0, 80.0, 120.0, 180.0, 240.0),
+    *(320.0, 480.0, 640.0, 1280.0, 2560.0),
+)
+# Inter-token gaps: steps of at most 1.34x from 5 ms to 1 s (GPU decode steps of a few
+# ms, CPU steps of tens to hundreds of ms), then the stalls of preemption and swapping.
+ITL_BUCKETS_S = (
+    *(0.001, 0.0025, 0.005, 0.0065, 0.008, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03),
+    *(0.04, 0.05, 0.065, 0.08, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.65),
+    *(0.8, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
+)
+E2E_BUCKETS_S = (
+    *(0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0),
+    *(20.0, 25.0, 30.0, 40.0, 50.0, 60.0, 80.0, 120.0, 180.0, 240.0, 320.0, 480.0),
+    *(640.0, 960.0, 1920.0, 3840.0, 7680.0),
+)
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(0, 18))  # 1 .. 131072 tokens
 BLOCK_BUCKETS = tuple(float(2**i) for i in range(0, 15))  # 1 .. 16384 blocks
 
@@ -72,12 +101,16 @@ class EngineStatsCollector(Collector):
         kv_shape: KVShape | None,
         weight_bytes: int,
         health_fn: Callable[[], bool] | None,
+        memory_fn: Callable[[], dict[str, int]] | None = None,
+        planned_bytes: dict[str, int] | None = None,
     ) -> None:
         self._model = model_name
+        self._planned_bytes = dict(planned_bytes or {})
         self._stats_fn = stats_fn
         self._kv_shape = kv_shape
         self._weight_bytes = weight_bytes
         self._health_fn = health_fn
+        self._memory_fn = memory_fn
 
     def describe(self) -> Iterable[Metric]:
         # Registering must not call into the engine; names are documented in METRICS.md.
@@ -94,6 +127,7 @@ class EngineStatsCollector(Collector):
         yield self._gauge("engine_healthy", "1 when the engine loop is alive.", int(healthy))
         yield from self._block_families(stats)
         yield from self._byte_families(stats)
+        yield from self._measured_families()
         yield from self._request_families(stats)
         yield from self._counter_families(stats)
         yield from tier_families(self._model, stats)
@@ -162,7 +196,8 @@ class EngineStatsCollector(Collector):
         )
         memory = GaugeMetricFamily(
             PREFIX + "device_memory_bytes",
-            "Device memory held by the model weights and by the KV block pool.",
+            "Device memory the plan computes: model weights, the KV block pool and, from "
+            "the capacity plan, the activation reserve and the block-copy staging buffer.",
             labels=["model_name", "component"],
         )
         memory.add_metric([self._model, "weights"], self._weight_bytes)
@@ -171,6 +206,8 @@ class EngineStatsCollector(Collector):
                 self._kv_shape, stats.device_blocks.total, stats.block_size
             )
             memory.add_metric([self._model, "kv_cache"], pool_bytes)
+        for component, planned in sorted(self._planned_bytes.items()):
+            memory.add_metric([self._model, component], planned)
         yield memory
         if self._kv_shape is not None:
             host_bytes = accounting.allocated_bytes(
@@ -179,6 +216,24 @@ class EngineStatsCollector(Collector):
             yield self._gauge(
                 "host_kv_cache_memory_bytes", "Host memory of the offload pool.", host_bytes
             )
+
+    def _measured_families(self) -> Iterator[Metric]:
+        if self._memory_fn is None:
+            return
+        try:
+            measured = self._memory_fn()
+        except Exception:
+            return  # a measurement that fails must not break /metrics
+        family = GaugeMetricFamily(
+            PREFIX + "device_memory_measured_bytes",
+            "Measured memory beside the computed kvserve_device_memory_bytes: CUDA "
+            "allocator reserved and max_allocated; on the CPU, resident pages of the KV "
+            "pool (kv_cache); resident pages of the host offload pool (host_kv_cache).",
+            labels=["model_name", "component"],
+        )
+        for component, value in sorted(measured.items()):
+            family.add_metric([self._model, component], value)
+        yield family
 
     def _request_families(self, stats: EngineStats) -> Iterator[Metric]:
         yield self._gauge(
@@ -263,6 +318,8 @@ class ServerMetrics:
         kv_shape: KVShape | None = None,
         weight_bytes: int = 0,
         health_fn: Callable[[], bool] | None = None,
+        memory_fn: Callable[[], dict[str, int]] | None = None,
+        planned_bytes: dict[str, int] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._model = model_name
@@ -273,8 +330,13 @@ class ServerMetrics:
                 kv_shape=kv_shape,
                 weight_bytes=weight_bytes,
                 health_fn=health_fn,
+                memory_fn=memory_fn,
+                planned_bytes=planned_bytes,
             )
         )
+        # process_resident_memory_bytes, process_cpu_seconds_total, process_open_fds, ...
+        # (reads /proc/self; exports nothing where there is no /proc).
+        ProcessCollector(registry=self.registry)
         self.registry.register(CacheInfoCollector(model_name, _cache_labels(cache_info, kv_shape)))
         self._finished = self._labelled_counter(
             "requests_finished", "Request choices finished, by finish_reason.", "finish_reason"

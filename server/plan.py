@@ -99,6 +99,7 @@ class PlanReport:
     quantization: str = "none"
     # Prefix-cache tiers below the device (--kv-cache-host-size, --kv-cache-disk-*).
     tiers: tuple[dict[str, int | str], ...] = ()
+    copy_staging_bytes: int = 0  # the device-side staging buffer of block copies
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -180,7 +181,8 @@ def build_report(args: argparse.Namespace) -> PlanReport:
         share = args.gpu_memory_utilization if device == "cuda" else 1.0
         budget = int(args.memory * share * GIB)
     else:  # --kv-cache-memory (or --num-kv-blocks): the KV budget comes on top
-        budget = weight_bytes + activation + int(args.kv_cache_memory * GIB)
+        staging = accounting.copy_staging_bytes(shape, args.block_size)
+        budget = weight_bytes + activation + staging + int(args.kv_cache_memory * GIB)
     plan = accounting.plan_capacity(
         shape,
         memory_budget_bytes=budget,
@@ -264,6 +266,7 @@ def _assemble(
         max_concurrency_at_avg_len=plan.max_seqs_at_avg_len,
         max_concurrency_at_max_len=plan.max_seqs_at_max_len,
         quantization=args.quantization,
+        copy_staging_bytes=plan.copy_staging_bytes,
     )
 
 
@@ -473,8 +476,8 @@ def format_report(report: PlanReport) -> str:
         f"  weights             {report.num_parameters:,} parameters = "
         f"{size(report.weight_bytes)} ({report.weights_note})",
         f"  budget              {size(report.memory_budget_bytes)} - weights - "
-        f"activations {size(report.activation_reserve_bytes)} = KV "
-        f"{size(report.kv_budget_bytes)}",
+        f"activations {size(report.activation_reserve_bytes)} - copy staging "
+        f"{size(report.copy_staging_bytes)} = KV {size(report.kv_budget_bytes)}",
         f"  KV pool             {report.num_blocks:,} blocks x {report.block_size} = "
         f"{report.token_capacity:,} tokens ({size(report.kv_pool_bytes)}, "
         f"from {report.num_blocks_from})",

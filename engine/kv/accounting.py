@@ -94,6 +94,36 @@ def allocated_bytes(shape: KVShape, num_blocks: int, block_size: int) -> int:
     return bytes_per_block(shape, block_size) * num_blocks
 
 
+# Block copies (swap-out, swap-in, copy-on-write) go through one fixed staging buffer per
+# side, so a copy never allocates in a step that is already short of memory. Its size
+# bounds a copy chunk: the blocks of one layer's K (or V, or their scales) at a time.
+COPY_STAGING_BYTES = 8 * MIB
+
+
+def copy_chunk_blocks(
+    shape: KVShape, block_size: int, staging_bytes: int = COPY_STAGING_BYTES
+) -> int:
+    """Blocks one chunk of a block copy moves: as many of one layer's K (or V) blocks as
+    ``staging_bytes`` holds, at least one."""
+    return max(1, staging_bytes // _layer_block_bytes(shape, block_size))
+
+
+def copy_staging_bytes(
+    shape: KVShape, block_size: int, staging_bytes: int = COPY_STAGING_BYTES
+) -> int:
+    """The staging buffer a block copy really allocates on each side (whole blocks of one
+    layer, so up to one layer-block above ``staging_bytes`` when that is tiny)."""
+    chunk = copy_chunk_blocks(shape, block_size, staging_bytes)
+    return chunk * _layer_block_bytes(shape, block_size)
+
+
+def _layer_block_bytes(shape: KVShape, block_size: int) -> int:
+    # The largest per-layer slice of one block among the pool's tensors: K/V values
+    # (head_dim elements per token and head) or, for quantized caches, their scales.
+    per_token_head = max(shape.head_dim * shape.element_bytes, SCALE_BYTES)
+    return shape.num_kv_heads * block_size * per_token_head
+
+
 def num_blocks_for_budget(shape: KVShape, block_size: int, kv_budget_bytes: int) -> int:
     """How many whole blocks fit in ``kv_budget_bytes`` (never negative)."""
     return max(0, kv_budget_bytes // bytes_per_block(shape, block_size))
@@ -118,6 +148,9 @@ class CapacityPlan:
     avg_len: int
     blocks_per_avg_len_seq: int
     max_seqs_at_avg_len: int
+    # The device-side staging buffer of block copies (COPY_STAGING_BYTES, rounded to
+    # whole blocks of one layer), taken from the budget before the KV pool.
+    copy_staging_bytes: int = 0
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -138,15 +171,18 @@ def plan_capacity(
     max_model_len: int,
     avg_len: int | None = None,
     num_blocks_override: int | None = None,
+    staging_bytes: int = COPY_STAGING_BYTES,
 ) -> CapacityPlan:
-    """Size the KV pool: (budget - weights - activations) / bytes_per_block blocks.
+    """Size the KV pool: (budget - weights - activations - copy staging) / bytes_per_block
+    blocks.
 
     ``num_blocks_override`` (``--num-kv-blocks``) replaces the derived block count; the
     rest of the plan is then computed from it. Concurrency figures count whole blocks per
     sequence, as the block manager allocates them.
     """
     per_block = bytes_per_block(shape, block_size)
-    kv_budget = max(0, memory_budget_bytes - weight_bytes - activation_reserve_bytes)
+    staging = copy_staging_bytes(shape, block_size, staging_bytes)
+    kv_budget = max(0, memory_budget_bytes - weight_bytes - activation_reserve_bytes - staging)
     num_blocks = (
         num_blocks_override
         if num_blocks_override is not None
@@ -171,6 +207,7 @@ def plan_capacity(
         avg_len=avg,
         blocks_per_avg_len_seq=avg_blocks,
         max_seqs_at_avg_len=num_blocks // avg_blocks,
+        copy_staging_bytes=staging,
     )
 
 

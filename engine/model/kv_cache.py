@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv import accounting
 from engine.kv.accounting import KVShape
 
 _STORAGE_DTYPES: dict[str, torch.dtype] = {
@@ -111,24 +112,95 @@ class KVPool:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
-def copy_blocks(src: KVPool, dst: KVPool, pairs: list[tuple[int, int]]) -> None:
-    """Copy whole blocks ``src_block -> dst_block`` for every pair (across pools/devices).
-
-    All sources are read before any destination is written, so a block may appear as a
-    source and as a destination in the same call.
+class CopyStaging:
+    """The fixed buffers every block copy goes through, allocated once: one on the device
+    pool's device and, when that is not the CPU, a pinned one on the host (so
+    host-to-device copies are true asynchronous DMA, not a pageable temporary). Each holds
+    ``chunk_blocks`` blocks of one layer's K (or V, or their scales); its size is
+    ``accounting.copy_staging_bytes`` and the capacity plan counts it.
     """
-    if not pairs:
-        return
-    src_device = src.key.device
-    dst_device = dst.key.device
-    src_ids = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src_device)
-    dst_ids = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst_device)
-    # Host -> device may overlap (pinned source); device -> host must land before the CPU
-    # reads it, so that direction blocks.
-    non_blocking = dst_device.type == "cuda"
-    for src_tensor, dst_tensor in zip(src.tensors(), dst.tensors(), strict=True):
-        blocks = src_tensor.index_select(2, src_ids).to(dst_device, non_blocking=non_blocking)
-        dst_tensor.index_copy_(2, dst_ids, blocks)
+
+    def __init__(
+        self,
+        layout: KVPoolLayout,
+        device: torch.device,
+        staging_bytes: int = accounting.COPY_STAGING_BYTES,
+    ):
+        kv, block_size = layout.shape, layout.block_size
+        self.chunk_blocks = accounting.copy_chunk_blocks(kv, block_size, staging_bytes)
+        nbytes = accounting.copy_staging_bytes(kv, block_size, staging_bytes)
+        self._buffers = {device: torch.empty(nbytes, dtype=torch.uint8, device=device)}
+        if device.type != "cpu":
+            cpu = torch.device("cpu")
+            pin = torch.cuda.is_available()
+            self._buffers[cpu] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes per buffer (the device one is what the plan counts)."""
+        return next(iter(self._buffers.values())).numel()
+
+    def view(self, device: torch.device, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """The front of the buffer on ``device`` as a contiguous tensor of ``shape``."""
+        buffer = self._buffers[_canonical(device, self._buffers)]
+        count = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        return buffer[:count].view(dtype).view(shape)
+
+
+def _canonical(device: torch.device, buffers: dict[torch.device, torch.Tensor]) -> torch.device:
+    # torch.device("cuda") and torch.device("cuda:0") name the same buffer.
+    for known in buffers:
+        if known.type == device.type and (known.index or 0) == (device.index or 0):
+            return known
+    raise KeyError(f"no copy staging buffer on {device}")
+
+
+def copy_blocks(
+    src: KVPool, dst: KVPool, pairs: list[tuple[int, int]], staging: CopyStaging
+) -> None:
+    """Copy whole blocks ``src_block -> dst_block`` for every pair (across pools/devices),
+    in chunks of ``staging.chunk_blocks`` blocks, one layer and tensor at a time, through
+    the staging buffers: the copy allocates nothing but two small index tensors.
+
+    Chunks run in order; within a chunk all sources are read before any destination is
+    written. The scheduler never names a block as the destination of one pair and the
+    source of a later one.
+    """
+    chunk = staging.chunk_blocks
+    for start in range(0, len(pairs), chunk):
+        part = pairs[start : start + chunk]
+        src_ids = torch.tensor([p[0] for p in part], dtype=torch.long, device=src.key.device)
+        dst_ids = torch.tensor([p[1] for p in part], dtype=torch.long, device=dst.key.device)
+        for src_tensor, dst_tensor in zip(src.tensors(), dst.tensors(), strict=True):
+            for layer in range(src_tensor.shape[0]):
+                _copy_chunk(src_tensor[layer], dst_tensor[layer], src_ids, dst_ids, staging)
+
+
+def _copy_chunk(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_ids: torch.Tensor,
+    dst_ids: torch.Tensor,
+    staging: CopyStaging,
+) -> None:
+    """One layer's blocks (dim 1) of one tensor: gather into the source side's staging,
+    move it to the destination side's staging if the devices differ, scatter."""
+    shape = torch.Size((src.shape[0], len(src_ids), *src.shape[2:]))
+    gathered = staging.view(src.device, src.dtype, shape)
+    torch.index_select(src, 1, src_ids, out=gathered)
+    if src.device != dst.device:
+        landed = staging.view(dst.device, dst.dtype, shape)
+        # Pinned on the host side, so the copy is asynchronous DMA on CUDA.
+        landed.copy_(gathered, non_blocking=True)
+        # Device -> host must land before the CPU scatters it; host -> device must finish
+        # before the next chunk rewrites the pinned buffer it reads.
+        torch.cuda.current_stream(_cuda_side(src.device, dst.device)).synchronize()
+        gathered = landed
+    dst.index_copy_(1, dst_ids, gathered)
+
+
+def _cuda_side(a: torch.device, b: torch.device) -> torch.device:
+    return a if a.type == "cuda" else b
 
 
 class PagedKVCache:

@@ -5,8 +5,10 @@ blocks, wrapped by runners that fail the way devices do.
 - a forward that raises fails only the requests of its batch; the rest finish exactly;
 - an out-of-memory error is retried with smaller batches (down to halves of one chunk),
   and every request still gets exactly its reference tokens;
-- a failure during block moves, a device-fatal error, or a run of failed steps raises
-  ``EngineFault`` (the AsyncEngine then marks the engine dead);
+- a failed swap-out sends its victims back to be recomputed, and they still finish
+  exactly;
+- a failure during swap-ins or copies, a device-fatal error, or a run of failed steps
+  raises ``EngineFault`` (the AsyncEngine then marks the engine dead);
 - requests queued longer than the queue timeout are failed with ``queue_timeout``.
 """
 
@@ -67,13 +69,27 @@ class FailOnStep:
 
 
 class FailOnMoves:
-    """Raises on the first call that moves blocks (swap or copy)."""
+    """Raises on every call that moves blocks of live requests (swap-in or copy)."""
 
     def __init__(self, inner: FakeKVRunner) -> None:
         self.inner = inner
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        if out.swap_out or out.swap_in or out.copies:
+        if out.swap_in or out.copies:
+            raise RuntimeError("DMA engine stalled")
+        return self.inner.execute(out)
+
+
+class FailOnSwapOut:
+    """Raises on every call that swaps blocks out."""
+
+    def __init__(self, inner: FakeKVRunner) -> None:
+        self.inner = inner
+        self.failures = 0
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        if out.swap_out:
+            self.failures += 1
             raise RuntimeError("DMA engine stalled")
         return self.inner.execute(out)
 
@@ -254,8 +270,24 @@ def test_consecutive_failed_steps_raise_engine_fault():
         core.step()
 
 
+def test_failed_swap_outs_fall_back_to_recompute_and_finish_exactly():
+    core, _, config = make_core(
+        FailOnSwapOut,
+        num_blocks=12,
+        num_host_blocks=64,
+        preemption_mode="swap",
+        swap_min_tokens=1,
+    )
+    expected = add_all(core, config, prompts(6, length=9))
+    assert tokens_by_request(drive(core)) == expected
+    assert core.executor.num_failed_swap_outs > 0
+    assert core.executor.num_failed_swap_outs == core.runner.failures
+    assert core.stats().blocks_swapped_in_total == 0  # every swap-out was abandoned
+    assert_pool_empty(core)
+
+
 def test_failure_during_block_moves_is_fatal():
-    # A tiny pool with swap preemption: the first swap-out meets the failing move.
+    # A tiny pool with swap preemption: the first swap-in meets the failing move.
     core, _, config = make_core(
         FailOnMoves,
         num_blocks=12,

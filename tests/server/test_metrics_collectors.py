@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.kv.accounting import KVShape
 from engine.outputs import EngineStats, PoolStats
-from server.metrics import RequestRecord, ServerMetrics
+from server.metrics import (
+    E2E_BUCKETS_S,
+    ITL_BUCKETS_S,
+    LATENCY_BUCKETS_S,
+    RequestRecord,
+    ServerMetrics,
+)
+from server.settings import ServerSettings
 
 SHAPE = KVShape(num_layers=3, num_kv_heads=2, head_dim=8, kv_dtype="float16")
 # 2 (K and V) * 3 layers * 2 heads * 8 dims * 2 bytes, written out rather than computed.
@@ -122,6 +131,8 @@ def test_naming_conventions_hold_for_every_series() -> None:
     metrics.observe_request(RequestRecord("stop", 10, 3, 0, 0.01, 0.1, 0.3, (0.1, 0.1), 1))
     body, _ = metrics.render()
     for family in text_string_to_metric_families(body.decode()):
+        if family.name.startswith("process_"):
+            continue  # the standard process exporter's names (checked below)
         assert family.name.startswith("kvserve_"), family.name
         for sample in family.samples:
             assert sample.labels.get("model_name") == "tiny", sample
@@ -191,3 +202,59 @@ def test_instances_do_not_share_a_registry() -> None:
     first, second = make_metrics(), make_metrics()
     first.count_rejected("queue_full")
     assert value(scrape(second), "kvserve_requests_rejected_total", reason="queue_full") == 0
+
+
+def test_process_metrics_come_from_the_same_registry() -> None:
+    samples = scrape(make_metrics())
+    assert samples[("process_resident_memory_bytes", ())] > 10 * 2**20
+    assert samples[("process_open_fds", ())] > 0
+    assert samples[("process_cpu_seconds_total", ())] > 0
+
+
+def test_measured_memory_sits_beside_the_computed_figures() -> None:
+    measured = {"kv_cache": 4096, "host_kv_cache": 512}
+    samples = scrape(make_metrics(memory_fn=lambda: measured))
+    gauge = "kvserve_device_memory_measured_bytes"
+    assert value(samples, gauge, component="kv_cache") == 4096
+    assert value(samples, gauge, component="host_kv_cache") == 512
+    assert value(samples, "kvserve_device_memory_bytes", component="kv_cache") > 0
+
+
+def test_a_failing_measurement_leaves_the_rest_of_the_scrape() -> None:
+    def broken() -> dict[str, int]:
+        raise OSError("mincore failed")
+
+    samples = scrape(make_metrics(memory_fn=broken))
+    assert value(samples, "kvserve_kv_cache_usage_ratio") == 5 / 32
+    assert not any(name == "kvserve_device_memory_measured_bytes" for name, _ in samples)
+
+
+def widest_step(buckets: tuple[float, ...], low: float, high: float) -> float:
+    """The largest ratio between neighbouring bucket bounds inside [low, high]."""
+    inside = [b for b in buckets if low <= b <= high]
+    return max(b / a for a, b in itertools.pairwise(inside))
+
+
+def test_latency_buckets_resolve_cpu_and_gpu_ranges_past_the_timeouts() -> None:
+    settings = ServerSettings()
+    for buckets in (LATENCY_BUCKETS_S, ITL_BUCKETS_S, E2E_BUCKETS_S):
+        assert list(buckets) == sorted(set(buckets))
+    # TTFT and queue time: 10 ms (a GPU prefill) to a minute (a loaded CPU) in <= 1.5x
+    # steps; the committed 32-conversation CPU run's TTFT p99 of 37.7 s falls in (30, 40].
+    assert widest_step(LATENCY_BUCKETS_S, 0.01, 60) <= 1.5
+    assert 30.0 in LATENCY_BUCKETS_S and 40.0 in LATENCY_BUCKETS_S
+    # Inter-token gaps: 5 ms (GPU decode) to 1 s (a CPU step under load) in <= 1.34x steps.
+    assert widest_step(ITL_BUCKETS_S, 0.005, 1.0) <= 1.34
+    # Past the drain on shutdown and far past any queue timeout a client would wait for.
+    assert LATENCY_BUCKETS_S[-1] >= max(settings.shutdown_timeout_s, settings.queue_timeout_s)
+    assert LATENCY_BUCKETS_S[-1] >= 2560
+    assert E2E_BUCKETS_S[-1] >= LATENCY_BUCKETS_S[-1]
+
+
+def test_planned_components_complete_the_computed_device_memory() -> None:
+    planned = {"activation_reserve": 2048, "copy_staging": 64}
+    samples = scrape(make_metrics(planned_bytes=planned))
+    gauge = "kvserve_device_memory_bytes"
+    assert value(samples, gauge, component="activation_reserve") == 2048
+    assert value(samples, gauge, component="copy_staging") == 64
+    assert value(samples, gauge, component="weights") == 1234

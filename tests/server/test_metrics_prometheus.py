@@ -323,3 +323,39 @@ def check_every_expression(prometheus_url: str, at: float) -> None:
             not_finite.append((source, expr, result))
     assert not empty, empty
     assert not not_finite, not_finite
+
+
+def test_a_real_scrape_has_process_metrics_and_measured_memory(kvserve_url: str) -> None:
+    """Measured next to computed, from the running server's own /metrics."""
+    first = scrape(kvserve_url)
+    assert first[("process_resident_memory_bytes", frozenset())] > 50 * 2**20
+    assert first[("process_open_fds", frozenset())] > 0
+    measured = "kvserve_device_memory_measured_bytes"
+    kv_measured = sample(first, measured, component="kv_cache")
+    kv_computed = sample(first, "kvserve_device_memory_bytes", component="kv_cache")
+    # The pools are zero-filled at start, so every page of them is resident: mincore sees
+    # the computed size (capped at it), give or take pages the kernel reclaimed.
+    assert 0.95 * kv_computed <= kv_measured <= kv_computed
+    host_measured = sample(first, measured, component="host_kv_cache")
+    host_computed = sample(first, "kvserve_host_kv_cache_memory_bytes")
+    assert 0.95 * host_computed <= host_measured <= host_computed
+    # The KV pool is part of the process's resident memory.
+    assert first[("process_resident_memory_bytes", frozenset())] >= kv_measured + host_measured
+    cpu_before = first[("process_cpu_seconds_total", frozenset())]
+    with ChatLoad(kvserve_url, streams=2) as load:
+        wait_for(lambda: load.completed >= 2, 120, "two completed chats")
+    assert not load.errors, load.errors[:3]
+    assert scrape(kvserve_url)[("process_cpu_seconds_total", frozenset())] > cpu_before
+
+
+def test_prometheus_compares_measured_and_computed_memory(
+    kvserve_url: str, prometheus_url: str
+) -> None:
+    ratio = (
+        'kvserve_device_memory_measured_bytes{component="kv_cache"} / ignoring(component) '
+        'kvserve_device_memory_bytes{component="kv_cache"}'
+    )
+    seen = wait_for(lambda: values(query(prometheus_url, ratio)), 30, "the memory ratio")
+    assert 0.95 <= seen[0] <= 1.0
+    resident = values(query(prometheus_url, 'process_resident_memory_bytes{job="kvserve"}'))
+    assert resident and resident[0] > 50 * 2**20

@@ -43,8 +43,10 @@ def test_capacity_plan() -> None:
         max_model_len=4096,
         avg_len=1000,
     )
-    assert plan.kv_budget_bytes == 5 * acc.GIB
-    assert plan.num_blocks == 5 * acc.GIB // per_block
+    staging = acc.copy_staging_bytes(SHAPE, 16, acc.COPY_STAGING_BYTES)
+    assert plan.copy_staging_bytes == staging > 0
+    assert plan.kv_budget_bytes == 5 * acc.GIB - staging
+    assert plan.num_blocks == (5 * acc.GIB - staging) // per_block
     assert plan.token_capacity == plan.num_blocks * 16
     assert plan.max_seqs_at_max_len == plan.num_blocks // 256
     assert plan.max_seqs_at_avg_len == plan.num_blocks // 63
@@ -71,6 +73,17 @@ def test_capacity_plan_override_and_overcommit() -> None:
         num_blocks_override=8,
     )
     assert plan.num_blocks == 8 and plan.max_seqs_at_max_len == 2
+
+
+def test_copy_staging_holds_whole_layer_blocks_within_its_bound() -> None:
+    # One layer's K of one block: 8 heads x 16 tokens x 128 dims x 2 bytes = 32 KiB.
+    assert acc.copy_chunk_blocks(SHAPE, 16, 8 * acc.MIB) == 256
+    assert acc.copy_staging_bytes(SHAPE, 16, 8 * acc.MIB) == 8 * acc.MIB
+    assert acc.copy_chunk_blocks(SHAPE, 16, 1) == 1  # never below one block
+    assert acc.copy_staging_bytes(SHAPE, 16, 1) == 32 * 1024
+    # int8 with head_dim 2: the float32 scale (4 bytes) outweighs the values (2 bytes).
+    tiny = acc.KVShape(1, 1, 2, "int8")
+    assert acc.copy_staging_bytes(tiny, 4, 1) == 4 * 4
 
 
 def test_unknown_dtype_is_rejected() -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from engine import builder
-from engine.kv.accounting import GIB
-from server.plan import PlanReport, add_plan_parser, build_report, run_plan
+from engine.kv.accounting import GIB, format_bytes
+from server.plan import PlanReport, add_plan_parser, build_report, format_report, run_plan
 from tests.conftest import smollm_gguf_path, tiny_llama_config
 
 
@@ -114,8 +114,11 @@ def test_memory_budget_sizes_the_pool(tmp_path: Path) -> None:
     )  # fmt: skip
     report = build_report(args)
     weights = report.num_parameters * 4
-    kv_budget = GIB // 2 - weights - GIB // 8
+    staging = report.copy_staging_bytes  # the block-copy buffer comes out of --memory
+    assert 0 < staging <= 8 * 1024 * 1024
+    kv_budget = GIB // 2 - weights - GIB // 8 - staging
     assert report.kv_budget_bytes == kv_budget
+    assert f"copy staging {format_bytes(staging)}" in format_report(report)
     assert report.num_blocks == kv_budget // report.bytes_per_block
     assert report.kv_pool_bytes == report.num_blocks * report.bytes_per_block
 
@@ -125,7 +128,7 @@ def test_memory_on_cuda_is_scaled_by_the_utilization(tmp_path: Path) -> None:
     flags = ["--model", model, "--device", "cuda", "--memory", "1", "--activation-reserve", "0"]
     report = build_report(parse(*flags, "--gpu-memory-utilization", "0.5"))
     assert report.memory_budget_bytes == GIB // 2
-    assert report.kv_budget_bytes == GIB // 2 - report.weight_bytes
+    assert report.kv_budget_bytes == GIB // 2 - report.weight_bytes - report.copy_staging_bytes
 
 
 def test_kv_cache_memory_mirrors_serve_on_cpu(tmp_path: Path) -> None:
