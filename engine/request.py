@@ -10,6 +10,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.outputs import TokenLogprob
 
 
 class FinishReason(str, enum.Enum):
@@ -66,10 +70,15 @@ class SamplingParams:
     # Number of top alternatives to return per sampled token; None = no logprobs at all,
     # 0 = only the sampled token's logprob.
     logprobs: int | None = None
+    # The same for every prompt token after the first, scored from the prefill's logits
+    # (engine/prompt_logprobs.py); such a request skips the prefix cache.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
+        if self.max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0")
+        if self.max_tokens == 0 and self.n != 1:
+            raise ValueError("max_tokens 0 (prefill only) needs n == 1")
         if self.n < 1:
             raise ValueError("n must be >= 1")
         if self.temperature < 0:
@@ -78,6 +87,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def prefill_only(self) -> bool:
+        """Score the prompt and finish without sampling a token (max_tokens 0)."""
+        return self.max_tokens == 0
 
     @property
     def needs_penalties(self) -> bool:
@@ -113,6 +127,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    # Logprobs of prompt tokens 1.. scored so far (when sampling_params.prompt_logprobs).
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.group_id:

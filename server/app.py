@@ -20,6 +20,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.async_engine import AsyncEngine
 from engine.compute_thread import ComputeThread
+from server.chat_template import ChatTemplate
+from server.cors import add_cors
 from server.errors import APIError, install_error_handlers
 from server.routes import chat, completions, health, models, tokenize
 from server.routes.context import ServingContext
@@ -64,6 +66,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
             protect_all=settings.protect_open_endpoints,
             on_reject=ctx.count_rejected,
         )
+    add_cors(app, settings)  # outermost: a preflight is answered before auth
     return app
 
 
@@ -89,6 +92,9 @@ def serving_context(
         settings=settings,
         metrics=metrics,
         created=int(time.time()),
+        chat_template=ChatTemplate(
+            built.tokenizer, settings.chat_template, settings.chat_template_content_format
+        ),
     )
 
 

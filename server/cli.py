@@ -18,6 +18,7 @@ from types import FrameType
 
 from engine.compute_thread import ComputeThread
 from engine.config import ADMISSION_POLICIES, PREEMPTION_MODES, EngineArgs
+from server.cli_frontend import add_frontend_arguments, frontend_settings
 from server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
 
 logger = logging.getLogger("kvserve")
@@ -94,6 +95,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="seconds a request may wait to be scheduled before a 503 (0 = no limit)",
     )
     http.add_argument("--shutdown-timeout", type=float, default=30.0, help="drain seconds")
+    add_frontend_arguments(p)
     http.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
@@ -139,6 +141,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         max_messages=args.max_messages,
         queue_timeout_s=args.queue_timeout,
         log_level=args.log_level,
+        **frontend_settings(args),
     )
 
 

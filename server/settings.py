@@ -30,6 +30,14 @@ class ServerSettings:
     queue_timeout_s: float = 0.0
     max_messages: int = 512
     log_level: str = "info"
+    # --chat-template (its text, already read from a file) and how content reaches it.
+    chat_template: str | None = None
+    chat_template_content_format: str = "auto"
+    # CORS (server/cors.py): off while allowed_origins is empty.
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -46,3 +54,5 @@ class ServerSettings:
             raise ValueError("queue_timeout_s must be >= 0")
         if self.max_messages < 1:
             raise ValueError("max_messages must be >= 1")
+        if self.chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError("chat_template_content_format must be auto, string or openai")

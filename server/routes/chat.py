@@ -10,10 +10,12 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.outputs import TokenLogprob
+from server.choice_output import OutputOptions
+from server.logprob_format import vllm_prompt_logprobs
 from server.protocol import ChatCompletionRequest
 from server.routes.context import Ctx, ServingContext
 from server.routes.generation import ChoiceUpdate, GenerationRun
-from server.routes.prompts import chat_prompt_ids, resolve_max_tokens, sampling_params
+from server.routes.prompts import chat_prompt_ids_async, resolve_max_tokens, sampling_params
 from server.routes.streaming import (
     complete_or_abort,
     finite,
@@ -22,6 +24,7 @@ from server.routes.streaming import (
     sse,
     stream_when_started,
 )
+from server.token_bytes import TokenBytes
 
 router = APIRouter()
 
@@ -33,7 +36,7 @@ async def create_chat_completion(
     ctx: Ctx,
 ) -> JSONResponse | StreamingResponse:
     model = ctx.check_model(body.model)
-    prompt_ids = chat_prompt_ids(ctx, body.messages)
+    prompt_ids = await chat_prompt_ids_async(ctx, body)
     max_tokens = resolve_max_tokens(ctx, len(prompt_ids), body.requested_max_tokens, "messages")
     params = sampling_params(ctx, body, max_tokens, body.num_logprobs)
     run = GenerationRun(
@@ -43,6 +46,7 @@ async def create_chat_completion(
         params,
         stop=body.stop_strings,
         priority=body.priority,
+        options=OutputOptions.from_request(body),
     )
     await run.submit()
     formatter = _ChatFormatter(ctx, run, model, body)
@@ -60,9 +64,14 @@ class _ChatFormatter:
         self.model = model
         self.body = body
         self.created = now_unix()
+        self.token_bytes = TokenBytes(ctx.tokenizer)
+        # vLLM's chat echo: the reply starts with the final message when it is the
+        # assistant's (a prefill returned whole).
+        last = body.messages[-1]
+        self.echo = last.text if body.echo and last.role == "assistant" else ""
 
     async def collect(self) -> dict[str, Any]:
-        texts: dict[int, list[str]] = {c.index: [] for c in self.run.choices}
+        texts: dict[int, list[str]] = {c.index: [self.echo] for c in self.run.choices}
         logprobs: dict[int, list[dict[str, Any]]] = {c.index: [] for c in self.run.choices}
         async for update in self.run:
             texts[update.index].append(update.text)
@@ -76,7 +85,7 @@ class _ChatFormatter:
             }
             for c in self.run.choices
         ]
-        return {
+        response = {
             "id": self.run.request_id,
             "object": "chat.completion",
             "created": self.created,
@@ -85,10 +94,18 @@ class _ChatFormatter:
             "usage": self.run.usage(),
             "system_fingerprint": None,
         }
+        if self.body.prompt_logprobs is not None:  # vLLM: on the response, not per choice
+            response["prompt_logprobs"] = vllm_prompt_logprobs(
+                self.ctx.tokenizer,
+                self.run.prompt_ids(0),
+                self.run.prompt_logprobs(0) or [],
+                self.body.prompt_logprobs,
+            )
+        return response
 
     async def events(self) -> AsyncIterator[str]:
         for choice in self.run.choices:
-            yield self._chunk(choice.index, {"role": "assistant", "content": ""})
+            yield self._chunk(choice.index, {"role": "assistant", "content": self.echo})
         async for update in self.run:
             if update.text or update.logprobs:
                 yield self._chunk(update.index, {"content": update.text}, update=update)
@@ -151,4 +168,8 @@ class _ChatFormatter:
 
     def _token_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.ctx.tokenizer.decode([token_id])
-        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
+        return {
+            "token": text,
+            "logprob": finite(logprob),
+            "bytes": self.token_bytes.bytes_of(token_id),
+        }
