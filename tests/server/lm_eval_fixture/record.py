@@ -1,10 +1,10 @@
 """Run lm-evaluation-harness's ``local-completions`` model against a live kvserve and record
 what it sent and what it concluded, for ``test_lm_eval_replay.py``.
 
-Why a recording: lm-eval (0.4.9) pulls ~40 packages (datasets, pyarrow, pandas, scipy,
+Why a recording: lm-eval (0.4.13) pulls ~40 packages (datasets, pyarrow, pandas, scipy,
 scikit-learn, evaluate, peft, ...) into the environment; CI installs only the dev extra,
 so the test replays lm-eval's requests against the server instead and checks the
-answers give lm-eval's own loglikelihoods. Re-record (needs ``pip install lm-eval==0.4.9``):
+answers give lm-eval's own loglikelihoods. Re-record (needs ``pip install lm-eval==0.4.13``):
 
     python -m tests.server.lm_eval_fixture.record
 
@@ -122,7 +122,7 @@ def main() -> None:
         for s in results["samples"]["kvserve_tiny"]
     ]
     recording = {
-        "lm_eval_version": lm_eval.__version__ if hasattr(lm_eval, "__version__") else "0.4.9",
+        "lm_eval_version": lm_eval.__version__ if hasattr(lm_eval, "__version__") else "0.4.13",
         "requests": recorder_box[0].bodies,
         "responses": recorder_box[0].responses,
         "samples": samples,
