@@ -39,6 +39,7 @@ class CoreLike(Protocol):
 
     def add_request(self, requests: list[Request]) -> None: ...
     def abort(self, group_id: str) -> None: ...
+    def abort_sequence(self, request_id: str) -> None: ...
     def step(self) -> list[RequestDelta]: ...
     def has_unfinished(self) -> bool: ...
     def stats(self) -> EngineStats: ...
@@ -64,10 +65,11 @@ class _Inbox:
     adds: list[_AddCommand] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     probes: list[_ProbeCommand] = field(default_factory=list)
+    sequence_aborts: list[str] = field(default_factory=list)  # request ids
     stopping: bool = False
 
     def has_work(self) -> bool:
-        return bool(self.adds or self.aborts or self.probes)
+        return bool(self.adds or self.aborts or self.sequence_aborts or self.probes)
 
 
 class GroupStream:
@@ -81,12 +83,20 @@ class GroupStream:
         self._engine = engine
         self.group_id = group_id
         self._queue: asyncio.Queue[list[RequestDelta] | BaseException] = asyncio.Queue()
-        self._unfinished = num_choices
+        self._unfinished = set(range(num_choices))  # choice indices still expected to end
         self._closed = False
 
     @property
     def finished(self) -> bool:
-        return self._unfinished == 0
+        return not self._unfinished
+
+    def end_choice(self, index: int, request_id: str) -> None:
+        """The server ended choice ``index`` (a stop string): abort its sequence in the
+        engine now, without waiting for its siblings; its later deltas are dropped."""
+        if index not in self._unfinished or self._closed:
+            return
+        self._unfinished.discard(index)
+        self._engine._abort_sequence(request_id)
 
     def _deliver(self, item: list[RequestDelta] | BaseException) -> None:
         self._queue.put_nowait(item)
@@ -95,13 +105,15 @@ class GroupStream:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[RequestDelta]:
-        while self._unfinished > 0:
+        while self._unfinished:
             item = await self._queue.get()
             if isinstance(item, BaseException):
                 raise item
             for delta in item:
+                if delta.index not in self._unfinished:
+                    continue  # a choice ended by end_choice(): its in-flight deltas are moot
                 if delta.finished:
-                    self._unfinished -= 1
+                    self._unfinished.discard(delta.index)
                 yield delta
         self.close()
 
@@ -110,7 +122,7 @@ class GroupStream:
         if self._closed:
             return
         self._closed = True
-        self._engine._release(self.group_id, abort=self._unfinished > 0)
+        self._engine._release(self.group_id, abort=bool(self._unfinished))
 
 
 class AsyncEngine:
@@ -262,6 +274,11 @@ class AsyncEngine:
         """Abort a group (thread-safe); its blocks are freed at the next step."""
         self._release(group_id, abort=True)
 
+    def _abort_sequence(self, request_id: str) -> None:
+        with self._inbox.cond:
+            self._inbox.sequence_aborts.append(request_id)
+            self._inbox.cond.notify()
+
     def _release(self, group_id: str, *, abort: bool) -> None:
         self._streams.pop(group_id, None)
         if abort:
@@ -329,6 +346,7 @@ class AsyncEngine:
             adds, self._inbox.adds = self._inbox.adds, []
             aborts, self._inbox.aborts = self._inbox.aborts, []
             probes, self._inbox.probes = self._inbox.probes, []
+            sequence_aborts, self._inbox.sequence_aborts = self._inbox.sequence_aborts, []
         # Adds before aborts: a request cancelled while still queued here is admitted and
         # dropped in the same drain, before any step schedules it.
         for command in adds:
@@ -340,6 +358,8 @@ class AsyncEngine:
                 self._post(_resolve_future, command.admitted)
         for group_id in aborts:
             self.core.abort(group_id)
+        for request_id in sequence_aborts:
+            self.core.abort_sequence(request_id)
         for probe in probes:  # after the adds and aborts: they see this step's queues
             self._run_probe(probe)
 

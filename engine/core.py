@@ -88,6 +88,18 @@ class EngineCore:
             self._oom_preemptions.pop(request.request_id, None)
         self._publish()
 
+    def abort_sequence(self, request_id: str) -> None:
+        """Abort one sequence of a client request (a choice of ``n`` the server ended);
+        its blocks are free before the next step runs, its siblings go on."""
+        self.scheduler.abort_sequence(request_id)
+        self._oom_preemptions.pop(request_id, None)
+        for group_id, members in list(self._groups.items()):
+            if any(r.request_id == request_id for r in members):
+                if all(r.is_finished for r in members):
+                    del self._groups[group_id]
+                break
+        self._publish()
+
     def step(self) -> list[RequestDelta]:
         """Run one engine step and return what it produced for each sequence.
 

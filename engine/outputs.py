@@ -94,11 +94,22 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """The sampled token's logprob and the top alternatives (token id, logprob)."""
+    """The sampled token's logprob and the top alternatives (token id, logprob).
+    ``rank`` (1 = most likely) is filled for prompt tokens, which were not sampled."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class PromptLogprobChunk:
+    """Logprobs of consecutive prompt tokens scored in one forward piece; ``start`` is
+    the prompt position of the first entry (>= 1: the first prompt token has none)."""
+
+    start: int
+    entries: tuple[TokenLogprob, ...]
 
 
 @dataclass
@@ -110,6 +121,9 @@ class RunnerOutput:
     # Constrained requests whose grammar is complete with this step's token: they finish
     # with STOP (whatever ignore_eos and min_tokens say).
     grammar_completed: set[str] = field(default_factory=set)
+    # Requests whose sampling_params.prompt_logprobs is set and whose scheduled tokens
+    # covered prompt positions: the scored pieces (several when a step was split).
+    prompt_logprobs: dict[str, list[PromptLogprobChunk]] = field(default_factory=dict)
 
 
 @dataclass
@@ -122,6 +136,9 @@ class RequestDelta:
     new_token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
+    # On the first delta of a sequence that asked for them: prompt tokens 1.. (the first
+    # prompt token has no logprob).
+    prompt_logprobs: list[TokenLogprob] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0

@@ -11,7 +11,10 @@ import enum
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from engine.outputs import TokenLogprob
 
 
 class FinishReason(str, enum.Enum):
@@ -99,10 +102,15 @@ class SamplingParams:
     # Constrained decoding: the output must match this grammar; the request finishes
     # (STOP) when the grammar is complete. See engine/structured/.
     structured_outputs: StructuredOutputs | None = None
+    # The same for every prompt token after the first, scored from the prefill's logits
+    # (engine/prompt_logprobs.py); such a request skips the prefix cache.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
+        if self.max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0")
+        if self.max_tokens == 0 and self.n != 1:
+            raise ValueError("max_tokens 0 (prefill only) needs n == 1")
         if self.n < 1:
             raise ValueError("n must be >= 1")
         if self.temperature < 0:
@@ -111,6 +119,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def prefill_only(self) -> bool:
+        """Score the prompt and finish without sampling a token (max_tokens 0)."""
+        return self.max_tokens == 0
 
     @property
     def needs_penalties(self) -> bool:
@@ -150,6 +163,8 @@ class Request:
     # requests behind this one were admitted while it did not fit (bounded: no starving).
     arrival_seq: int = 0
     num_bypasses: int = 0
+    # Logprobs of prompt tokens 1.. scored so far (when sampling_params.prompt_logprobs).
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.group_id:

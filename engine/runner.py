@@ -18,6 +18,7 @@ from engine.model.kv_cache import CopyStaging, KVPool, PagedKVCache, copy_blocks
 from engine.model.llama import LlamaModel
 from engine.model.memory import measured_memory
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.prompt_logprobs import score_prompts
 from engine.sampler import Sampler, SamplingRow
 
 if TYPE_CHECKING:
@@ -62,8 +63,11 @@ class ModelRunner:
         if not out.scheduled:
             return RunnerOutput()
         batch = _decodes_first(out.scheduled)
-        logits = self._forward(batch)
-        return self._sample(batch, logits)
+        hidden = self._hidden(batch)
+        result = self._sample(batch, self._sample_logits(batch, hidden))
+        if any(r.sampling_params.prompt_logprobs is not None for r in batch):
+            result.prompt_logprobs = score_prompts(batch, hidden, self.model.logits)
+        return result
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         if out.swap_out or out.swap_in:
@@ -73,8 +77,8 @@ class ModelRunner:
             copy_blocks(self.host_pool, self.device_pool, out.swap_in, self.staging)
         copy_blocks(self.device_pool, self.device_pool, out.copies, self.staging)
 
-    def _forward(self, batch: list[ScheduledRequest]) -> torch.Tensor:
-        """Logits ``[sampled rows, vocab]`` for the requests in ``batch`` that sample."""
+    def _hidden(self, batch: list[ScheduledRequest]) -> torch.Tensor:
+        """Final hidden states ``[batch tokens, hidden]`` of the new tokens, in batch order."""
         model = self.model
         chunks = [
             SequenceChunk(r.num_computed_tokens, r.num_new_tokens, r.block_ids) for r in batch
@@ -82,7 +86,11 @@ class ModelRunner:
         meta = build_metadata(chunks, self.block_size, model.dtype, model.device)
         flat_ids = [t for r in batch for t in r.token_ids]
         token_ids = torch.tensor(flat_ids, dtype=torch.long).to(model.device, non_blocking=True)
-        hidden = model.forward(token_ids, meta, self.cache)
+        return model.forward(token_ids, meta, self.cache)
+
+    def _sample_logits(self, batch: list[ScheduledRequest], hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[sampled rows, vocab]`` for the requests in ``batch`` that sample."""
+        model = self.model
         last_rows: list[int] = []
         end = 0
         for request in batch:

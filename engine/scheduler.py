@@ -42,6 +42,7 @@ from engine.kv.manager import KVCacheManager
 from engine.kv.stats import QueueSizes, StatsCounters, snapshot
 from engine.outputs import (
     EngineStats,
+    PromptLogprobChunk,
     RequestDelta,
     RunnerOutput,
     ScheduledRequest,
@@ -154,6 +155,32 @@ class Scheduler:
             elif not any(request is child for child in unforked):
                 self._remove_waiting(request)
             self._retire(request, RequestStatus.FINISHED_ABORTED)
+
+    def abort_sequence(self, request_id: str) -> None:
+        """Drop one sequence of a group (a choice of ``n`` that ended on a stop string)
+        and free its blocks; its siblings go on. Unknown or finished ids are ignored. A
+        parent whose children are not forked yet takes its whole group along (nothing
+        of the group has produced a token yet)."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        group_id = request.group_id
+        unforked = self._unforked.get(group_id, [])
+        if request.index == 0 and unforked:
+            self.abort(group_id)
+            return
+        if request in unforked:
+            unforked.remove(request)
+            if not unforked:
+                del self._unforked[group_id]
+        elif request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._retire(request, RequestStatus.FINISHED_ABORTED)
+        self._forget_if_group_done(group_id)
 
     def preempt_unexecuted(self, request_id: str) -> bool:
         """Send a request scheduled in the last step back to the waiting queue, to be
@@ -426,9 +453,13 @@ class Scheduler:
         group_size = 1 + len(self._unforked.get(request.group_id, ()))
         if self.running and len(self.running) + group_size > self.config.max_num_seqs:
             return None
-        hits = self.kv.find_cached_prefix(request)
-        if self._start_tier_load(step, request, hits, group_size):
-            return True
+        # A request scoring its prompt must compute every position it scores.
+        if request.sampling_params.prompt_logprobs is not None:
+            hits: list[int] = []
+        else:
+            hits = self.kv.find_cached_prefix(request)
+            if self._start_tier_load(step, request, hits, group_size):
+                return True
         num_hit = len(hits) * self.block_size
         num_new = step.chunk(request.num_tokens - num_hit)
         if num_new == 0:
@@ -558,7 +589,7 @@ class Scheduler:
             token_ids=request.all_token_ids[start:end],
             num_computed_tokens=start,
             block_ids=self.kv.tables[request.request_id],
-            sample=end == len(request.all_token_ids),
+            sample=end == len(request.all_token_ids) and not request.sampling_params.prefill_only,
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
@@ -581,7 +612,13 @@ class Scheduler:
             request.num_computed_tokens += num_new
             if request.num_computed_tokens % self.block_size < num_new:  # a block filled up
                 self.kv.cache_computed_blocks(request)
+            chunks = result.prompt_logprobs.get(request.request_id)
+            if chunks:
+                _add_prompt_logprobs(request, chunks)
             if not scheduled.sample:
+                if self._prefill_done(request):
+                    deltas.append(self._finish_prefill_only(request))
+                    any_finished = True
                 continue
             if request.group_id in self._unforked:
                 self._fork_children(request)
@@ -609,14 +646,41 @@ class Scheduler:
             num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=len(request.output_token_ids),
         )
+        if request.num_output_tokens == 1 and request.sampling_params.prompt_logprobs is not None:
+            delta.prompt_logprobs = list(request.prompt_logprobs)
         status = self._stop_status(request, token, rid in result.grammar_completed)
         if status is not None:
-            delta.finish_reason = status.finish_reason
-            delta.num_blocks = self.kv.num_blocks(rid)
-            if request.first_scheduled_time is not None:
-                delta.queue_time = request.first_scheduled_time - request.arrival_time
-            self._retire(request, status)
-            self._forget_if_group_done(request.group_id)
+            self._finish(request, delta, status)
+        return delta
+
+    def _finish(self, request: Request, delta: RequestDelta, status: RequestStatus) -> None:
+        delta.finish_reason = status.finish_reason
+        delta.num_blocks = self.kv.num_blocks(request.request_id)
+        if request.first_scheduled_time is not None:
+            delta.queue_time = request.first_scheduled_time - request.arrival_time
+        self._retire(request, status)
+        self._forget_if_group_done(request.group_id)
+
+    @staticmethod
+    def _prefill_done(request: Request) -> bool:
+        return (
+            request.sampling_params.prefill_only
+            and request.num_computed_tokens >= request.num_prompt_tokens
+        )
+
+    def _finish_prefill_only(self, request: Request) -> RequestDelta:
+        """A max_tokens 0 request ends once its prompt is computed (and scored): one
+        finishing delta with the prompt logprobs and no token."""
+        delta = RequestDelta(
+            request_id=request.request_id,
+            group_id=request.group_id,
+            index=request.index,
+            new_token_ids=[],
+            prompt_logprobs=list(request.prompt_logprobs),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+        self._finish(request, delta, RequestStatus.FINISHED_LENGTH)
         return delta
 
     def _stop_status(
@@ -700,3 +764,13 @@ class Scheduler:
             loading=len(self.loading),
         )
         return snapshot(self.kv, self.kv_shape, self._counters, queues)
+
+
+def _add_prompt_logprobs(request: Request, chunks: list[PromptLogprobChunk]) -> None:
+    """Append the scored prompt positions that are new (a recompute after preemption
+    scores positions again; those are already known)."""
+    for chunk in sorted(chunks, key=lambda c: c.start):
+        known = 1 + len(request.prompt_logprobs)  # next prompt position without a logprob
+        skip = known - chunk.start
+        if 0 <= skip < len(chunk.entries):
+            request.prompt_logprobs.extend(chunk.entries[skip:])

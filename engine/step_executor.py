@@ -247,6 +247,8 @@ def _merge(into: StepResult, part: StepResult) -> None:
     into.output.sampled_token_ids.update(part.output.sampled_token_ids)
     into.output.logprobs.update(part.output.logprobs)
     into.output.grammar_completed.update(part.output.grammar_completed)
+    for request_id, chunks in part.output.prompt_logprobs.items():
+        into.output.prompt_logprobs.setdefault(request_id, []).extend(chunks)
     into.failed.update(part.failed)
     into.unexecuted.update(part.unexecuted)
 

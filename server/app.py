@@ -20,6 +20,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.async_engine import AsyncEngine
 from engine.compute_thread import ComputeThread
+from server.chat_template import ChatTemplate
+from server.cors import add_cors
 from server.errors import APIError, install_error_handlers
 from server.routes import chat, completions, health, models, tokenize
 from server.routes.context import ServingContext
@@ -70,6 +72,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
             protect_all=settings.protect_open_endpoints,
             on_reject=ctx.count_rejected,
         )
+    add_cors(app, settings)  # outermost: a preflight is answered before auth
     return app
 
 
@@ -107,6 +110,9 @@ def serving_context(
         grammar_compiler=getattr(built, "grammar_compiler", None),
         startup_facts=_startup_facts(built, engine),
         scheduling_policy=built.core.scheduler.config.scheduling_policy,
+        chat_template=ChatTemplate(
+            built.tokenizer, settings.chat_template, settings.chat_template_content_format
+        ),
     )
 
 

@@ -24,6 +24,7 @@ from engine.config import (
     SCHEDULING_POLICIES,
     EngineArgs,
 )
+from server.cli_frontend import add_frontend_arguments, frontend_settings
 from server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
 from server.tools.parsers import TOOL_CALL_PARSERS
 
@@ -131,6 +132,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     http.add_argument(
         "--disable-ui", action="store_true", help="do not serve the live KV block map at /ui"
     )
+    add_frontend_arguments(p)
     http.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
@@ -202,6 +204,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         enable_ui=not args.disable_ui,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        **frontend_settings(args),
     )
 
 

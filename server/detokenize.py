@@ -42,9 +42,15 @@ class IncrementalDetokenizer:
         *,
         prompt_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self._decoder = decoder
         self._skip_special = skip_special_tokens
+        # vLLM's spaces_between_special_tokens: kept special tokens are set apart from the
+        # text around them by one space (what Hugging Face's slow tokenizers do).
+        self._special_ids: frozenset[int] = frozenset()
+        if not skip_special_tokens and spaces_between_special_tokens:
+            self._special_ids = frozenset(getattr(decoder, "all_special_ids", ()) or ())
         # The prompt's last tokens seed the window as already-emitted context, so the
         # first output token decodes as it would after the prompt (SentencePiece
         # tokenizers drop a word's leading space when it is decoded alone).
@@ -86,7 +92,21 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
+        if self._special_ids and any(t in self._special_ids for t in ids):
+            return " ".join(
+                self._decoder.decode(run, skip_special_tokens=False) for run in self._runs(ids)
+            )
         return self._decoder.decode(ids, skip_special_tokens=self._skip_special)
+
+    def _runs(self, ids: list[int]) -> list[list[int]]:
+        """``ids`` split so every special token is a run of its own."""
+        runs: list[list[int]] = []
+        for token in ids:
+            if token in self._special_ids or not runs or runs[-1][-1] in self._special_ids:
+                runs.append([token])
+            else:
+                runs[-1].append(token)
+        return runs
 
 
 @dataclass(frozen=True)
@@ -100,8 +120,9 @@ class StopMatch:
 class StopStringMatcher:
     """Cuts the output at the first occurrence of any stop string, never emitting it."""
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], *, include_stop: bool = False) -> None:
         self._stops = tuple(s for s in stop if s)
+        self._include_stop = include_stop  # vLLM's include_stop_str_in_output
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._pending = ""
         self.stopped = False
@@ -111,11 +132,13 @@ class StopStringMatcher:
         if self.stopped:
             return StopMatch("", stopped=True)
         buffer = self._pending + text
-        cut = self._first_stop(buffer)
-        if cut is not None:
+        found = self._first_stop(buffer)
+        if found is not None:
+            cut, stop = found
             self.stopped = True
             self._pending = ""
-            return StopMatch(buffer[:cut], stopped=True)
+            end = cut + len(stop) if self._include_stop else cut
+            return StopMatch(buffer[:end], stopped=True)
         keep = min(self._hold, len(buffer))
         emit_len = len(buffer) - keep
         self._pending = buffer[emit_len:]
@@ -128,6 +151,11 @@ class StopStringMatcher:
         tail, self._pending = self._pending, ""
         return tail
 
-    def _first_stop(self, buffer: str) -> int | None:
-        positions = [i for i in (buffer.find(s) for s in self._stops) if i >= 0]
-        return min(positions) if positions else None
+    def _first_stop(self, buffer: str) -> tuple[int, str] | None:
+        """The earliest stop string in ``buffer`` (the longest at that position)."""
+        found = [(buffer.find(s), -len(s), s) for s in self._stops]
+        hits = [(i, key, s) for i, key, s in found if i >= 0]
+        if not hits:
+            return None
+        position, _, stop = min(hits)
+        return position, stop

@@ -8,6 +8,10 @@ without effect on the output are ``user`` (an end-user label for abuse tracking)
 Structured outputs (``response_format``, vLLM's ``structured_outputs`` and ``guided_*``)
 are mapped in server/structured.py; tools in server/tools/.
 
+Also accepted without effect: ``metadata``, ``store``, ``service_tier``,
+``prompt_cache_key`` and ``safety_identifier`` (labels for OpenAI's platform). The README's
+API notes classify every OpenAI and vLLM field.
+
 Beyond OpenAI, the vLLM sampling extensions are honoured: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``priority``
 (lower is more important) and ``stream_options.continuous_usage_stats``.
@@ -26,6 +30,7 @@ INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 # Known OpenAI fields kvserve does not implement: a request using them is refused with a
 # message naming the field instead of being answered as if they were honoured.
@@ -103,6 +108,16 @@ class SamplingFields(StrictModel):
     guided_grammar: str | None = None
     # vLLM's per-request prefix-cache salt: only requests with the same salt share blocks.
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    # Accepted without effect (README, API notes): labels and routing hints for OpenAI's
+    # platform that change nothing in the output.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # vLLM's output controls (server/detokenize.py).
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingFields:
@@ -132,6 +147,11 @@ class SamplingFields(StrictModel):
     def continuous_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs: None (off) or alternatives per prompt token."""
+        return self.prompt_logprobs
+
 
 class TextPart(StrictModel):
     type: Literal["text"]
@@ -139,11 +159,12 @@ class TextPart(StrictModel):
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     tool_calls: list[ToolCallMessage] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call this result answers
     # Null (or absent) only for an assistant message that calls tools.
     content: str | list[TextPart] | None = Field(None, validate_default=True)
+    name: str | None = None  # passed to the template (multi-agent conversations)
 
     @field_validator("content")
     @classmethod
@@ -180,12 +201,34 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDefinition] | None = Field(None, min_length=1)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    # Chat template controls (vLLM; server/chat_template.py).
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    echo: bool = False
+    # OpenAI's cache-routing and abuse-tracking labels: accepted without effect.
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
         _reject_unsupported(data, UNSUPPORTED_CHAT_FIELDS)
         return data
+
+    @model_validator(mode="after")
+    def _check_template_controls(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "'continue_final_message' needs 'add_generation_prompt': false (the reply "
+                "continues the final message instead of opening a new turn)"
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("'continue_final_message' needs a final message of role 'assistant'")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("'prompt_logprobs' is not supported with 'stream' on chat")
+        return self
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -211,9 +254,13 @@ PromptInput = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
+    # 0 (with n == 1) scores the prompt without generating: echo and logprobs, or
+    # prompt_logprobs, then say what the model thinks of it.
+    max_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = Field(None, ge=1)
+    add_special_tokens: bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -227,17 +274,27 @@ class CompletionRequest(SamplingFields):
             raise ValueError("'best_of' other than 'n' is not supported")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("'prompt' must not be an empty list")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("'echo' together with 'logprobs' is not supported")
+        if self.max_tokens == 0 and self.n != 1:
+            raise ValueError("'max_tokens' 0 (scoring the prompt) needs 'n' 1")
         return self
 
     @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+    def requested_max_tokens(self) -> int:
+        """OpenAI's and vLLM's default is 16 tokens (capped by the context)."""
+        return DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
 
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs: echo with logprobs scores the echoed prompt."""
+        if self.prompt_logprobs is not None:
+            return (
+                max(self.prompt_logprobs, self.logprobs or 0) if self.echo else self.prompt_logprobs
+            )
+        return self.logprobs if self.echo and self.logprobs is not None else None
 
 
 class TokenizeRequest(StrictModel):

@@ -37,6 +37,14 @@ class ServerSettings:
     # tool_choice "auto": parse tool calls out of free output (vLLM's flags of these names).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # --chat-template (its text, already read from a file) and how content reaches it.
+    chat_template: str | None = None
+    chat_template_content_format: str = "auto"
+    # CORS (server/cors.py): off while allowed_origins is empty.
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -57,3 +65,5 @@ class ServerSettings:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError("chat_template_content_format must be auto, string or openai")

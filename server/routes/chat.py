@@ -10,10 +10,12 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.outputs import TokenLogprob
+from server.choice_output import OutputOptions
+from server.logprob_format import vllm_prompt_logprobs
 from server.protocol import ChatCompletionRequest
 from server.routes.context import Ctx, ServingContext
 from server.routes.generation import ChoiceUpdate, GenerationRun
-from server.routes.prompts import chat_prompt_ids, resolve_max_tokens, sampling_params
+from server.routes.prompts import chat_prompt_ids_async, resolve_max_tokens, sampling_params
 from server.routes.streaming import (
     complete_or_abort,
     finite,
@@ -23,6 +25,7 @@ from server.routes.streaming import (
     stream_when_started,
 )
 from server.structured import constrained, requested_constraints
+from server.token_bytes import TokenBytes
 from server.tools.events import OutputEvent, ToolCallStart, assemble, delta_of
 from server.tools.output import choice_output, finish_reason
 from server.tools.plan import ToolPlan, output_constraint, plan_tools
@@ -39,7 +42,7 @@ async def create_chat_completion(
     model = ctx.check_model(body.model)
     plan = plan_tools(body, ctx.settings)
     constraint = output_constraint(plan, requested_constraints(body))
-    prompt_ids = chat_prompt_ids(ctx, body.messages, plan.tools)
+    prompt_ids = await chat_prompt_ids_async(ctx, body, plan.tools)
     max_tokens = resolve_max_tokens(ctx, len(prompt_ids), body.requested_max_tokens, "messages")
     params = sampling_params(ctx, body, max_tokens, body.num_logprobs)
     params = await constrained(ctx.grammar_compiler, params, constraint, plan.checks)
@@ -51,6 +54,7 @@ async def create_chat_completion(
         stop=body.stop_strings,
         priority=body.priority,
         cache_salt=body.cache_salt,
+        options=OutputOptions.from_request(body),
     )
     await run.submit()
     formatter = _ChatFormatter(ctx, run, model, body, plan)
@@ -77,6 +81,12 @@ class _ChatFormatter:
         self.outputs = {c.index: choice_output(plan) for c in run.choices}
         self.called_tools: set[int] = set()
 
+        self.token_bytes = TokenBytes(ctx.tokenizer)
+        # vLLM's chat echo: the reply starts with the final message when it is the
+        # assistant's (a prefill returned whole).
+        last = body.messages[-1]
+        self.echo = last.text if body.echo and last.role == "assistant" else ""
+
     def _events(self, update: ChoiceUpdate) -> list[OutputEvent]:
         output = self.outputs[update.index]
         events = output.feed(update.text)
@@ -98,13 +108,13 @@ class _ChatFormatter:
         choices = [
             {
                 "index": c.index,
-                "message": assemble(events[c.index]).as_openai(),
+                "message": self._message(events[c.index]),
                 "logprobs": {"content": logprobs[c.index]} if self._wants_logprobs else None,
                 "finish_reason": self._finish_reason(c.index, c.finish_reason),
             }
             for c in self.run.choices
         ]
-        return {
+        response = {
             "id": self.run.request_id,
             "object": "chat.completion",
             "created": self.created,
@@ -113,10 +123,18 @@ class _ChatFormatter:
             "usage": self.run.usage(),
             "system_fingerprint": None,
         }
+        if self.body.prompt_logprobs is not None:  # vLLM: on the response, not per choice
+            response["prompt_logprobs"] = vllm_prompt_logprobs(
+                self.ctx.tokenizer,
+                self.run.prompt_ids(0),
+                self.run.prompt_logprobs(0) or [],
+                self.body.prompt_logprobs,
+            )
+        return response
 
     async def events(self) -> AsyncIterator[str]:
         for choice in self.run.choices:
-            yield self._chunk(choice.index, {"role": "assistant", "content": ""})
+            yield self._chunk(choice.index, {"role": "assistant", "content": self.echo})
         async for update in self.run:
             deltas = [delta_of(event) for event in self._events(update)]
             if not deltas and update.logprobs:
@@ -128,6 +146,12 @@ class _ChatFormatter:
                 yield self._chunk(update.index, {}, finish_reason=reason)
         if self.body.include_usage:
             yield sse({**self._envelope(), "choices": [], "usage": self.run.usage()})
+
+    def _message(self, events: list[OutputEvent]) -> dict[str, Any]:
+        message = assemble(events).as_openai()
+        if self.echo:  # the prefilled assistant text comes back in front of the reply
+            message["content"] = self.echo + (message.get("content") or "")
+        return message
 
     @property
     def _wants_logprobs(self) -> bool:
@@ -183,4 +207,8 @@ class _ChatFormatter:
 
     def _token_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.ctx.tokenizer.decode([token_id])
-        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
+        return {
+            "token": text,
+            "logprob": finite(logprob),
+            "bytes": self.token_bytes.bytes_of(token_id),
+        }

@@ -10,6 +10,8 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.outputs import TokenLogprob
+from server.choice_output import OutputOptions
+from server.logprob_format import vllm_prompt_logprobs
 from server.protocol import CompletionRequest
 from server.routes.context import Ctx, ServingContext
 from server.routes.generation import GenerationRun
@@ -37,7 +39,10 @@ async def create_completion(
     prompts = completion_prompts(ctx, body)
     # One budget for all prompts: omitted max_tokens means what the longest prompt leaves.
     longest = max(len(ids) for ids in prompts)
-    max_tokens = resolve_max_tokens(ctx, longest, body.requested_max_tokens, "prompt")
+    requested = body.requested_max_tokens
+    if body.max_tokens is None:  # the default 16, or what the context leaves if less
+        requested = max(1, min(requested, ctx.max_model_len - longest))
+    max_tokens = resolve_max_tokens(ctx, longest, requested, "prompt")
     params = sampling_params(ctx, body, max_tokens, body.num_logprobs)
     constraint = single_constraint(requested_constraints(body))
     params = await constrained(ctx.grammar_compiler, params, constraint)
@@ -49,6 +54,7 @@ async def create_completion(
         stop=body.stop_strings,
         priority=body.priority,
         cache_salt=body.cache_salt,
+        options=OutputOptions.from_request(body),
     )
     await run.submit()
     formatter = _CompletionFormatter(ctx, run, model, body, prompts)
@@ -78,35 +84,100 @@ class _CompletionFormatter:
             for p, ids in enumerate(prompts)
             for i in range(n)
         }
-        self.offsets = {index: len(text) for index, text in self.echo.items()}
+        self.offsets = {index: 0 for index in self.echo}
+        self._started: set[int] = set()  # choices whose echo (and prompt logprobs) went out
 
     async def collect(self) -> dict[str, Any]:
-        texts = {index: [echo] for index, echo in self.echo.items()}
+        texts: dict[int, list[str]] = {index: [] for index in self.echo}
         logprobs = {index: _empty_logprobs() for index in self.echo}
+        extras: dict[int, dict[str, Any]] = {}
         async for update in self.run:
+            if update.index not in self._started:
+                extras[update.index] = self._start_choice(update.index, texts, logprobs)
             texts[update.index].append(update.text)
             _extend(logprobs[update.index], self._logprobs(update.index, update.logprobs))
+        for c in self.run.choices:  # a choice that ended without any update
+            if c.index not in self._started:
+                extras[c.index] = self._start_choice(c.index, texts, logprobs)
         choices = [
             {
                 "index": c.index,
                 "text": "".join(texts[c.index]),
                 "logprobs": logprobs[c.index] if self._wants_logprobs else None,
                 "finish_reason": c.finish_reason,
+                **extras[c.index],
             }
             for c in self.run.choices
         ]
         return {**self._envelope(), "choices": choices, "usage": self.run.usage()}
 
+    def _start_choice(
+        self, index: int, texts: dict[int, list[str]], logprobs: dict[int, dict[str, Any]]
+    ) -> dict[str, Any]:
+        """Put the echoed prompt (and its logprobs) first; return the vLLM extras."""
+        self._started.add(index)
+        texts[index].append(self.echo[index])
+        _extend(logprobs[index], self._echo_logprobs(index))
+        self.offsets[index] = len(self.echo[index])
+        return self._prompt_logprob_extras(index)
+
     async def events(self) -> AsyncIterator[str]:
-        if self.body.echo:
-            for index, echo in self.echo.items():
-                yield self._chunk(index, echo, None, None)
         async for update in self.run:
+            index = update.index
+            if index not in self._started:
+                async for chunk in self._start_events(index):
+                    yield chunk
             if update.text or update.logprobs or update.finish_reason:
-                logprobs = self._logprobs(update.index, update.logprobs)
-                yield self._chunk(update.index, update.text, logprobs, update.finish_reason)
+                logprobs = self._logprobs(index, update.logprobs)
+                yield self._chunk(index, update.text, logprobs, update.finish_reason)
+        for c in self.run.choices:
+            if c.index not in self._started:
+                async for chunk in self._start_events(c.index):
+                    yield chunk
         if self.body.include_usage:
             yield sse({**self._envelope(), "choices": [], "usage": self.run.usage()})
+
+    async def _start_events(self, index: int) -> AsyncIterator[str]:
+        self._started.add(index)
+        extras = self._prompt_logprob_extras(index)
+        if self.body.echo or extras:
+            yield self._chunk(index, self.echo[index], self._echo_logprobs(index), None, extras)
+        self.offsets[index] = len(self.echo[index])
+
+    def _echo_logprobs(self, index: int) -> dict[str, Any]:
+        """The legacy logprobs of the echoed prompt: its first token has none."""
+        result = _empty_logprobs()
+        if not (self.body.echo and self._wants_logprobs):
+            return result
+        decode = self.ctx.tokenizer.decode
+        prompt = self.run.prompt_ids(index)
+        scored = self.run.prompt_logprobs(index) or []
+        top_n = self.body.logprobs or 0
+        offset = 0
+        for position, token_id in enumerate(prompt):
+            token = decode([token_id])
+            result["tokens"].append(token)
+            result["text_offset"].append(offset)
+            offset += len(token)
+            if position == 0 or position > len(scored):
+                result["token_logprobs"].append(None)
+                result["top_logprobs"].append(None)
+                continue
+            lp = scored[position - 1]
+            result["token_logprobs"].append(finite(lp.logprob))
+            result["top_logprobs"].append({decode([t]): finite(v) for t, v in lp.top[:top_n]})
+        return result
+
+    def _prompt_logprob_extras(self, index: int) -> dict[str, Any]:
+        if self.body.prompt_logprobs is None:
+            return {}
+        scored = self.run.prompt_logprobs(index) or []
+        prompt = self.run.prompt_ids(index)
+        return {
+            "prompt_logprobs": vllm_prompt_logprobs(
+                self.ctx.tokenizer, prompt, scored, self.body.prompt_logprobs
+            )
+        }
 
     @property
     def _wants_logprobs(self) -> bool:
@@ -122,7 +193,12 @@ class _CompletionFormatter:
         }
 
     def _chunk(
-        self, index: int, text: str, logprobs: dict[str, Any] | None, finish: str | None
+        self,
+        index: int,
+        text: str,
+        logprobs: dict[str, Any] | None,
+        finish: str | None,
+        extras: dict[str, Any] | None = None,
     ) -> str:
         chunk: dict[str, Any] = {
             **self._envelope(),
@@ -132,6 +208,7 @@ class _CompletionFormatter:
                     "text": text,
                     "logprobs": logprobs if self._wants_logprobs else None,
                     "finish_reason": finish,
+                    **(extras or {}),
                 }
             ],
         }

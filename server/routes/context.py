@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from fastapi import Depends, Request
 
 from engine.async_engine import AsyncEngine
+from server.chat_template import ChatTemplate
 from server.errors import APIError
 from server.settings import ServerSettings
 
@@ -33,6 +34,16 @@ class ServingContext:
     # The startup log's totals and KV shape, for the block-map page (server/ui/facts.py).
     startup_facts: dict[str, Any] | None = None
     scheduling_policy: str = "fcfs"  # the engine's; under fcfs a priority is refused
+    chat_template: ChatTemplate | None = None  # built from settings when None
+
+    def template(self) -> ChatTemplate:
+        """The chat template the routes render with (--chat-template or the model's)."""
+        if self.chat_template is not None:
+            return self.chat_template
+        settings = self.settings
+        return ChatTemplate(
+            self.tokenizer, settings.chat_template, settings.chat_template_content_format
+        )
 
     @property
     def model_name(self) -> str:

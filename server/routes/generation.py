@@ -22,7 +22,8 @@ from fastapi import Request as HTTPRequest
 from engine.async_engine import GroupStream
 from engine.errors import EngineDeadError, RequestRejected
 from engine.outputs import RequestDelta, TokenLogprob
-from engine.request import Request, SamplingParams
+from engine.request import FinishReason, Request, SamplingParams
+from server.choice_output import LogprobGate, OutputOptions
 from server.detokenize import IncrementalDetokenizer, StopStringMatcher
 from server.errors import APIError, engine_dead, from_rejection, invalid
 from server.routes.context import ServingContext
@@ -39,6 +40,8 @@ class ChoiceUpdate:
     text: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    # Set when the choice was ended by the server (a stop string) rather than the engine.
+    stopped_by_string: bool = False
 
 
 class ChoiceTracker:
@@ -51,10 +54,20 @@ class ChoiceTracker:
         stop: Sequence[str],
         start: float,
         prompt_ids: Sequence[int] = (),
+        options: OutputOptions | None = None,
     ) -> None:
         self.index = index
-        self._detok = IncrementalDetokenizer(ctx.tokenizer, prompt_ids=prompt_ids)
-        self._stops = StopStringMatcher(stop)
+        self.options = options = options or OutputOptions()
+        self._detok = IncrementalDetokenizer(
+            ctx.tokenizer,
+            prompt_ids=prompt_ids,
+            skip_special_tokens=options.skip_special_tokens,
+            spaces_between_special_tokens=options.spaces_between_special_tokens,
+        )
+        self._stops = StopStringMatcher(stop, include_stop=options.include_stop_str_in_output)
+        self._logprobs = LogprobGate()
+        self._decoded_chars = 0  # detokenized text so far (before stop strings)
+        self._emitted_chars = 0  # text released to the client
         self.num_tokens = 0
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
@@ -75,9 +88,13 @@ class ChoiceTracker:
             self.token_times.append(now)
         self.num_tokens += len(delta.new_token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
-        text = self._detok.push(delta.new_token_ids)
+        ids, logprobs = self._visible(delta)
+        start = self._decoded_chars
+        text = self._detok.push(ids)
         if delta.finished:
             text += self._detok.flush()
+        self._decoded_chars += len(text)
+        self._logprobs.add(start, logprobs)
         match = self._stops.feed(text)
         text = match.text
         if match.stopped:
@@ -87,7 +104,27 @@ class ChoiceTracker:
             self.finish_reason = delta.finish_reason.value if delta.finish_reason else "stop"
             self.queue_time = delta.queue_time
             self.num_blocks = delta.num_blocks
-        return ChoiceUpdate(self.index, text, list(delta.logprobs or ()), self.finish_reason)
+        self._emitted_chars += len(text)
+        if match.stopped:
+            released = self._logprobs.release(self._emitted_chars)
+            self._logprobs.drop_rest()  # tokens of the cut stop string
+        elif delta.finished:
+            released = self._logprobs.release_all()
+        else:
+            released = self._logprobs.release(self._emitted_chars)
+        return ChoiceUpdate(self.index, text, released, self.finish_reason, match.stopped)
+
+    def _visible(self, delta: RequestDelta) -> tuple[list[int], list[TokenLogprob]]:
+        """The delta's tokens (and logprobs) that belong to the text: as in vLLM, the
+        EOS or stop token that ended the sequence is left out unless
+        include_stop_str_in_output."""
+        ids = list(delta.new_token_ids)
+        logprobs = list(delta.logprobs or ())
+        stop_token = delta.finish_reason is FinishReason.STOP and delta.error is None
+        if stop_token and ids and not self.options.include_stop_str_in_output:
+            ids.pop()
+            logprobs = logprobs[: len(ids)]
+        return ids, logprobs
 
     def abandon(self, reason: str) -> None:
         """The choice ends without the engine finishing it (disconnect, engine failure)."""
@@ -108,6 +145,8 @@ class _Group:
     choices: list[ChoiceTracker]
     stream: GroupStream | None = None
     pump: asyncio.Task[None] | None = None
+    # Prompt tokens 1.. with their logprobs, once the engine sent them (prompt_logprobs).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class GenerationRun:
@@ -123,6 +162,7 @@ class GenerationRun:
         stop: Sequence[str] = (),
         priority: int = 0,
         cache_salt: str | None = None,
+        options: OutputOptions | None = None,
     ) -> None:
         if priority and ctx.scheduling_policy != "priority":
             raise invalid(
@@ -143,7 +183,7 @@ class GenerationRun:
         self.groups = [
             _Group(
                 list(ids),
-                [ChoiceTracker(ctx, p * n + i, stop, self.start, ids) for i in range(n)],
+                [ChoiceTracker(ctx, p * n + i, stop, self.start, ids, options) for i in range(n)],
             )
             for p, ids in enumerate(prompts)
         ]
@@ -249,8 +289,13 @@ class GenerationRun:
                     # Checked first: a failed choice reports the error, not a finish.
                     self._abandon_all("error")
                     raise self._delta_error(delta)
+                if delta.prompt_logprobs is not None and group.prompt_logprobs is None:
+                    group.prompt_logprobs = delta.prompt_logprobs
                 if 0 <= delta.index < len(group.choices):
                     update = group.choices[delta.index].on_delta(delta, now)
+                    if update.stopped_by_string and group.stream is not None:
+                        # Free this choice's blocks now; its siblings go on decoding.
+                        group.stream.end_choice(delta.index, delta.request_id)
                     if update.text or update.logprobs or update.finish_reason:
                         yield update
             if all(c.finished for c in group.choices):
@@ -258,6 +303,13 @@ class GenerationRun:
                 # know about): stop the group in the engine now.
                 self._close_group(group)
         self._record_all()
+
+    def prompt_logprobs(self, index: int) -> list[TokenLogprob] | None:
+        """The prompt logprobs of choice ``index``'s prompt, once known."""
+        return self.groups[index // self.params.n].prompt_logprobs
+
+    def prompt_ids(self, index: int) -> list[int]:
+        return self.groups[index // self.params.n].prompt_ids
 
     @property
     def all_finished(self) -> bool:

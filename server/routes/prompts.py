@@ -3,15 +3,20 @@ need the tokenizer or the context length (the pydantic models cannot know those)
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 from engine.request import SamplingParams
+from server.chat_template import ChatTemplateOptions
 from server.errors import APIError, invalid
-from server.protocol import ChatMessage, CompletionRequest, SamplingFields
+from server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from server.routes.context import ServingContext
 from server.tools.models import ToolDefinition
-from server.tools.prompt import build_conversation, template_supports_tools
+
+# Conversations or prompts longer than this (characters) are rendered and tokenised on a
+# worker thread instead of the event loop.
+OFF_LOOP_PROMPT_CHARS = 8192
 
 
 def render_chat(
@@ -19,10 +24,9 @@ def render_chat(
     messages: Sequence[ChatMessage],
     *,
     add_generation_prompt: bool = True,
-    tools: Sequence[ToolDefinition] = (),
+    options: ChatTemplateOptions | None = None,
 ) -> str:
-    """The model's chat template applied to the messages (and the offered tools, see
-    server/tools/prompt.py)."""
+    """The chat template (server/chat_template.py) applied to the messages."""
     limit = ctx.settings.max_messages
     if len(messages) > limit:
         raise invalid(
@@ -31,26 +35,45 @@ def render_chat(
             "messages",
             code="too_many_messages",
         )
-    if not getattr(ctx.tokenizer, "chat_template", None):
-        raise invalid("this model has no chat template; use /v1/completions", "messages")
-    native = template_supports_tools(ctx.tokenizer)
-    conversation, template_kwargs = build_conversation(messages, tools, native)
-    text: str = ctx.tokenizer.apply_chat_template(
-        conversation,
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-        **template_kwargs,
+    options = options or ChatTemplateOptions(add_generation_prompt=add_generation_prompt)
+    return ctx.template().render(messages, options)
+
+
+def chat_options(
+    body: ChatCompletionRequest, tools: Sequence[ToolDefinition] = ()
+) -> ChatTemplateOptions:
+    return ChatTemplateOptions(
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        kwargs=dict(body.chat_template_kwargs or {}),
+        tools=tuple(tools),
     )
-    return text
 
 
 def chat_prompt_ids(
-    ctx: ServingContext, messages: Sequence[ChatMessage], tools: Sequence[ToolDefinition] = ()
+    ctx: ServingContext,
+    messages: Sequence[ChatMessage],
+    body: ChatCompletionRequest | None = None,
+    tools: Sequence[ToolDefinition] = (),
 ) -> list[int]:
-    # The template already contains any BOS the model wants: add no special tokens twice.
-    prompt = render_chat(ctx, messages, tools=tools)
-    ids: list[int] = ctx.tokenizer.encode(prompt, add_special_tokens=False)
+    """Rendered and tokenised. The template already contains any BOS the model wants, so
+    no special tokens are added unless the request asks (vLLM's add_special_tokens)."""
+    options = chat_options(body, tools) if body is not None else None
+    text = render_chat(ctx, messages, options=options)
+    add_special = body.add_special_tokens if body is not None else False
+    ids: list[int] = ctx.tokenizer.encode(text, add_special_tokens=add_special)
     return ids
+
+
+async def chat_prompt_ids_async(
+    ctx: ServingContext, body: ChatCompletionRequest, tools: Sequence[ToolDefinition] = ()
+) -> list[int]:
+    """``chat_prompt_ids`` off the event loop when the conversation is long, so rendering
+    and tokenising a big prompt does not stall other requests' streams."""
+    size = sum(len(m.text) for m in body.messages)
+    if size < OFF_LOOP_PROMPT_CHARS:
+        return chat_prompt_ids(ctx, body.messages, body, tools)
+    return await asyncio.to_thread(chat_prompt_ids, ctx, body.messages, body, tools)
 
 
 def completion_prompts(ctx: ServingContext, body: CompletionRequest) -> list[list[int]]:
@@ -65,7 +88,8 @@ def completion_prompts(ctx: ServingContext, body: CompletionRequest) -> list[lis
     result = []
     for item in items:
         if isinstance(item, str):
-            result.append(list(ctx.tokenizer.encode(item, add_special_tokens=True)))
+            ids = ctx.tokenizer.encode(item, add_special_tokens=body.add_special_tokens)
+            result.append(list(ids))
         else:
             check_token_ids(ctx, item, "prompt")
             result.append(list(item))
@@ -141,6 +165,7 @@ def sampling_params(
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
         logprobs=logprobs,
+        prompt_logprobs=body.num_prompt_logprobs,
     )
 
 

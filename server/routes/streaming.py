@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 import uuid
@@ -14,6 +15,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.errors import APIError
 from server.routes.generation import ClientDisconnected, GenerationRun, until_disconnect
+
+logger = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -49,6 +52,11 @@ def stream_response(
                 yield event
         except APIError as exc:
             yield exc.sse_event()
+        except Exception as exc:  # a bug or a fault after the headers: end the stream
+            # properly, with an OpenAI error event, instead of cutting the connection.
+            logger.exception("a stream failed after it started")
+            error = APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
+            yield error.sse_event()
         finally:
             run.close()
         yield SSE_DONE

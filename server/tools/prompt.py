@@ -46,7 +46,12 @@ def template_supports_tools(tokenizer: Any) -> bool:
         return "tool_use" in template or any(
             _TOOLS_WORD.search(t) for t in template.values() if isinstance(t, str)
         )
-    return isinstance(template, str) and bool(_TOOLS_WORD.search(template))
+    return isinstance(template, str) and source_supports_tools(template)
+
+
+def source_supports_tools(source: str) -> bool:
+    """Whether a template's Jinja source reads a ``tools`` variable."""
+    return bool(_TOOLS_WORD.search(source))
 
 
 def build_conversation(
@@ -64,8 +69,14 @@ def _tool_json(tool: ToolDefinition) -> dict[str, Any]:
     return {"type": "function", "function": tool.function.as_openai()}
 
 
+def _named(message: Any, entry: dict[str, Any]) -> dict[str, Any]:
+    """``entry`` with the message's ``name`` (multi-agent conversations), when it has one."""
+    name = getattr(message, "name", None)
+    return entry if name is None else {**entry, "name": name}
+
+
 def _native_message(message: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": message.role, "content": message.text}
+    out: dict[str, Any] = _named(message, {"role": message.role, "content": message.text})
     if message.tool_calls:
         out["tool_calls"] = [
             {
@@ -103,7 +114,7 @@ def _generic_conversation(
             text = "\n".join(([message.text] if message.text else []) + calls)
             out.append({"role": "assistant", "content": text})
         else:
-            out.append({"role": message.role, "content": message.text})
+            out.append(_named(message, {"role": message.role, "content": message.text}))
     for entry in out:
         entry.pop("_tool_results", None)
     if tools:

@@ -73,11 +73,13 @@ def test_completion_logprobs_legacy_shape(client: Any):
     assert lp.text_offset[0] == 0
 
 
-def test_omitted_max_tokens_fills_the_context(client: Any):
-    ids = list(range(100, 100 + TINY_MAX_MODEL_LEN - 20))  # leaves room for 20 tokens
-    resp = complete(client, ids)
-    assert resp.usage.completion_tokens == TINY_MAX_MODEL_LEN - len(ids)
-    assert resp.choices[0].finish_reason == "length"
+def test_omitted_max_tokens_defaults_to_16_capped_by_the_context(client: Any):
+    # OpenAI's and vLLM's default: 16 tokens, or what the context leaves when less.
+    for room, expected in ((20, 16), (5, 5)):
+        ids = list(range(100, 100 + TINY_MAX_MODEL_LEN - room))
+        resp = complete(client, ids, extra_body={"ignore_eos": True})
+        assert resp.usage.completion_tokens == expected
+        assert resp.choices[0].finish_reason == "length"
 
 
 def test_streaming_completion_with_usage(client: Any):
