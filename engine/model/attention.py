@@ -4,8 +4,10 @@ The flattened batch is ordered decodes first, then prefill chunks. Decode rows (
 token each) are attended in one batched matmul over their gathered, padded block tables:
 torch's CPU ``scaled_dot_product_attention`` costs milliseconds per single-token call, a
 bmm + softmax over ``[kv_heads, batch, group, tokens]`` costs microseconds. Prefill chunks
-are attended one request at a time with SDPA (its flash kernel pays off for long queries),
-reading earlier context from the cache when the chunk does not start at position 0.
+go to the kernels' ``prefill_attention``: the native backend attends all of a step's chunks
+in one flash-style call that reads the context straight from the block tables; the torch
+backend runs SDPA one request at a time, gathering the earlier context from the cache when
+a chunk does not start at position 0.
 
 Everything here is built once per step and shared by all layers.
 """
@@ -36,13 +38,22 @@ class SequenceChunk:
 
 @dataclass
 class PrefillSpan:
-    """A prefill chunk: rows ``[start, end)`` of the batch attending ``context_len`` keys."""
+    """A prefill chunk: rows ``[start, end)`` of the batch attend to the ``num_computed``
+    cached tokens before them and causally to each other."""
 
     start: int
     end: int
     num_computed: int
     block_ids: torch.Tensor  # blocks covering the context
-    mask: torch.Tensor | None  # [new, context] bool; None when causal from position 0
+
+
+@dataclass
+class PrefillTables:
+    """All of a step's prefill chunks as the native kernel reads them (on the device)."""
+
+    block_table: torch.Tensor  # [chunks, max_blocks], padded with each row's first block
+    query_starts: torch.Tensor  # [chunks + 1] row offsets, relative to the first prefill row
+    num_computed: torch.Tensor  # [chunks] cached tokens before each chunk
 
 
 @dataclass
@@ -56,6 +67,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decodes] keys each decode attends
     decode_bias: torch.Tensor | None  # [num_decodes, 1, max_blocks * block_size] 0 / -inf
     prefills: list[PrefillSpan]
+    prefill_tables: PrefillTables | None
 
 
 def build_metadata(
@@ -73,6 +85,7 @@ def build_metadata(
     while num_decodes < len(chunks) and _is_decode(chunks[num_decodes]):
         num_decodes += 1
     table, lengths, bias = _decode_tables(chunks[:num_decodes], block_size, dtype, device)
+    prefill_chunks = chunks[num_decodes:]
     return AttentionMetadata(
         slots=torch.tensor(slots, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
@@ -81,6 +94,7 @@ def build_metadata(
         decode_context_lens=lengths,
         decode_bias=bias,
         prefills=_prefill_spans(chunks, num_decodes, block_size, device),
+        prefill_tables=_prefill_tables(prefill_chunks, block_size, device),
     )
 
 
@@ -118,21 +132,36 @@ def _prefill_spans(
         end = start + chunk.num_new
         context = chunk.num_computed + chunk.num_new
         blocks = chunk.block_ids[: -(-context // block_size)]
-        mask = None
-        if chunk.num_computed > 0:
-            query_pos = torch.arange(chunk.num_computed, context, device=device).unsqueeze(1)
-            mask = torch.arange(context, device=device).unsqueeze(0) <= query_pos
         spans.append(
             PrefillSpan(
                 start=start,
                 end=end,
                 num_computed=chunk.num_computed,
                 block_ids=torch.tensor(blocks, dtype=torch.long, device=device),
-                mask=mask,
             )
         )
         start = end
     return spans
+
+
+def _prefill_tables(
+    chunks: list[SequenceChunk], block_size: int, device: torch.device
+) -> PrefillTables | None:
+    if not chunks:
+        return None
+    used = [c.block_ids[: -(-(c.num_computed + c.num_new) // block_size)] for c in chunks]
+    width = max(len(blocks) for blocks in used)
+    table = [blocks + [blocks[0]] * (width - len(blocks)) for blocks in used]
+    starts = [0]
+    for chunk in chunks:
+        starts.append(starts[-1] + chunk.num_new)
+    return PrefillTables(
+        block_table=torch.tensor(table, dtype=torch.long, device=device),
+        query_starts=torch.tensor(starts, dtype=torch.long, device=device),
+        num_computed=torch.tensor(
+            [c.num_computed for c in chunks], dtype=torch.long, device=device
+        ),
+    )
 
 
 def paged_attention(
@@ -155,9 +184,7 @@ def paged_attention(
         decodes = qkv[: meta.num_decodes]
         parts.append(kernels.decode_attention(cache, layer, decodes, meta, spec, scale))
     if meta.prefills:
-        query, key, value = split_heads(qkv, spec)
-        for span in meta.prefills:
-            parts.append(_prefill_attention(layer, query, key, value, cache, span, scale))
+        parts.append(kernels.prefill_attention(cache, layer, qkv, meta, spec, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
@@ -197,6 +224,22 @@ def decode_attention_torch(
     return out.transpose(0, 1).reshape(batch, heads * head_dim)
 
 
+def prefill_attention_torch(
+    layer: int,
+    qkv: torch.Tensor,
+    spec: ModelSpec,
+    cache: PagedKVCache,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Prefill attention in torch: SDPA per chunk. Returns ``[prefill rows, heads * head_dim]``."""
+    query, key, value = split_heads(qkv, spec)
+    parts = [
+        _prefill_attention(layer, query, key, value, cache, span, scale) for span in meta.prefills
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
 def _prefill_attention(
     layer: int,
     query: torch.Tensor,
@@ -207,6 +250,7 @@ def _prefill_attention(
     scale: float,
 ) -> torch.Tensor:
     q = query[span.start : span.end].transpose(0, 1).unsqueeze(0)
+    mask = None
     if span.num_computed == 0:
         # The whole context is this chunk: use the fresh K/V, no cache read needed.
         k = key[span.start : span.end].transpose(0, 1).unsqueeze(0)
@@ -216,12 +260,14 @@ def _prefill_attention(
         keys, values = cache.gather(layer, span.block_ids)
         k = keys[:, :context].unsqueeze(0)
         v = values[:, :context].unsqueeze(0)
+        query_pos = torch.arange(span.num_computed, context, device=q.device).unsqueeze(1)
+        mask = torch.arange(context, device=q.device).unsqueeze(0) <= query_pos
     out = F.scaled_dot_product_attention(
         q,
         k,
         v,
-        attn_mask=span.mask,
-        is_causal=span.mask is None,
+        attn_mask=mask,
+        is_causal=mask is None,
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )

@@ -14,7 +14,9 @@ Contracts shared by both (``qkv`` is the fused projection output, ``[tokens, q +
 - ``rotary(qkv, ...)`` rotates the query and key heads in place and returns qkv.
 - ``write_kv`` stores every row's key/value heads at its slot; ``decode_attention``
   attends rows ``[0, meta.num_decodes)`` to their cached context and returns
-  ``[num_decodes, heads * head_dim]``.
+  ``[num_decodes, heads * head_dim]``; ``prefill_attention`` attends the remaining rows
+  (``meta.prefills``, after ``write_kv`` stored them) causally to their cached prefix and
+  each other, returning ``[prefill rows, heads * head_dim]``.
 
 ``select_kernels`` picks a backend from the ``--kernels`` flag (auto | native | torch).
 """
@@ -24,7 +26,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention import AttentionMetadata, decode_attention_torch, split_heads
+from engine.model.attention import (
+    AttentionMetadata,
+    decode_attention_torch,
+    prefill_attention_torch,
+    split_heads,
+)
 from engine.model.kv_cache import PagedKVCache
 from engine.model.native import load_native_ops, native_ops_error
 from engine.model.spec import ModelSpec
@@ -103,6 +110,17 @@ class TorchKernels:
     ) -> torch.Tensor:
         query, _, _ = split_heads(qkv, spec)
         return decode_attention_torch(layer, query, cache, meta, scale)
+
+    def prefill_attention(
+        self,
+        cache: PagedKVCache,
+        layer: int,
+        qkv: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: ModelSpec,
+        scale: float,
+    ) -> torch.Tensor:
+        return prefill_attention_torch(layer, qkv, spec, cache, meta, scale)
 
 
 class NativeKernels(TorchKernels):
@@ -184,6 +202,36 @@ class NativeKernels(TorchKernels):
             value_cache,
             meta.decode_block_table,
             meta.decode_context_lens,
+            spec.num_heads,
+            spec.num_kv_heads,
+            scale,
+            *cache.layer_scales(layer),
+        )
+        return out
+
+    def prefill_attention(
+        self,
+        cache: PagedKVCache,
+        layer: int,
+        qkv: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: ModelSpec,
+        scale: float,
+    ) -> torch.Tensor:
+        key_cache, value_cache = cache.layer(layer)
+        tables = meta.prefill_tables
+        if key_cache.dtype not in _NATIVE_CACHE_DTYPES or tables is None:  # fp8
+            return super().prefill_attention(cache, layer, qkv, meta, spec, scale)
+        rows = qkv[meta.num_decodes :]  # a row slice of a contiguous tensor: no copy
+        out = qkv.new_empty(rows.shape[0], spec.q_size)
+        self.ops.paged_prefill_attention(
+            out,
+            rows,
+            key_cache,
+            value_cache,
+            tables.block_table,
+            tables.query_starts,
+            tables.num_computed,
             spec.num_heads,
             spec.num_kv_heads,
             scale,

@@ -25,6 +25,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     "elementwise.cpp",
     "paged_attention.cpp",
+    "prefill_attention.cpp",
     "int8_linear.cpp",
     "int4_linear.cpp",
     "register.cpp",

@@ -153,6 +153,82 @@ def test_quantized_cache_decode_attention_matches_torch(native, kv_dtype):
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
+# (cached tokens before the chunk, new tokens): fresh prompts, chunks that start inside a
+# block, a chunk longer than one query tile (64) and one longer than a key tile (128).
+PREFILL_CHUNKS = [(0, 1), (0, 7), (3, 5), (17, 70), (40, 1), (0, 150), (130, 33)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("block_size", [3, 16])  # 3: every chunk boundary inside a block
+def test_prefill_attention_matches_torch(native, dtype, shape, block_size):
+    """All of a step's prefill chunks in one native call (read through the block tables,
+    causal within each chunk) equal torch's SDPA per chunk over the gathered context."""
+    spec = make_spec(*SHAPES[shape])
+    contexts = [cached + new for cached, new in PREFILL_CHUNKS]
+    cache, blocks = fill_cache(native, spec, dtype, block_size, contexts)
+    chunks = [
+        SequenceChunk(cached, new, ids)
+        for (cached, new), ids in zip(PREFILL_CHUNKS, blocks, strict=True)
+    ]
+    meta = build_metadata(chunks, block_size, dtype, torch.device("cpu"))
+    rows = sum(new for _, new in PREFILL_CHUNKS)
+    qkv = torch.randn(rows, spec.q_size + 2 * spec.kv_size).to(dtype)
+    for layer in range(spec.num_layers):
+        native.write_kv(cache, layer, qkv, meta.slots, spec)  # as the model does, first
+        expected = TorchKernels().prefill_attention(cache, layer, qkv, meta, spec, 0.125)
+        actual = native.prefill_attention(cache, layer, qkv, meta, spec, 0.125)
+        close(actual, expected)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float16"])
+def test_prefill_attention_reads_narrow_caches(native, kv_dtype):
+    """An int8 cache (rows times their per-token scales) and a float16 one under float32
+    compute give what torch computes from the same cache. (Every chunk here has a cached
+    prefix: for a fresh prompt torch attends the unrounded new K/V, the native kernel the
+    cached, rounded ones, as decode does later.)"""
+    spec = make_spec(9, 3, 64)
+    block_size = 4
+    cache = PagedKVCache(
+        KVPool(KVPoolLayout(spec.kv_shape(kv_dtype), 128, block_size), torch.device("cpu")),
+        torch.float32,
+    )
+    tables = BlockTables(128, seed=7)
+    spans = [(2, 9), (5, 20), (31, 4)]
+    blocks = [tables.allocate(cached + new, block_size) for cached, new in spans]
+    width = spec.q_size + 2 * spec.kv_size
+    for (cached, new), ids in zip(spans, blocks, strict=True):
+        ctx = cached + new
+        slots = [ids[p // block_size] * block_size + p % block_size for p in range(ctx)]
+        TorchKernels().write_kv(cache, 0, torch.randn(ctx, width) * 3, torch.tensor(slots), spec)
+    chunks = [SequenceChunk(c, n, ids) for (c, n), ids in zip(spans, blocks, strict=True)]
+    meta = build_metadata(chunks, block_size, torch.float32, torch.device("cpu"))
+    qkv = torch.randn(sum(n for _, n in spans), width) * 3
+    TorchKernels().write_kv(cache, 0, qkv, meta.slots, spec)
+    expected = TorchKernels().prefill_attention(cache, 0, qkv, meta, spec, 0.125)
+    actual = native.prefill_attention(cache, 0, qkv, meta, spec, 0.125)
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_attention_after_decodes_uses_only_prefill_rows(native):
+    """In a mixed step the decodes come first; the prefill kernel reads the rows after them."""
+    spec = make_spec(4, 2, 16)
+    contexts = [6, 12, 9]
+    cache, blocks = fill_cache(native, spec, torch.float32, 4, contexts)
+    chunks = [
+        SequenceChunk(5, 1, blocks[0]),  # decode
+        SequenceChunk(4, 8, blocks[1]),
+        SequenceChunk(0, 9, blocks[2]),
+    ]
+    meta = build_metadata(chunks, 4, torch.float32, torch.device("cpu"))
+    qkv = torch.randn(18, spec.q_size + 2 * spec.kv_size)
+    native.write_kv(cache, 1, qkv, meta.slots, spec)
+    expected = TorchKernels().prefill_attention(cache, 1, qkv, meta, spec, 0.25)
+    actual = native.prefill_attention(cache, 1, qkv, meta, spec, 0.25)
+    assert actual.shape == (17, spec.q_size)
+    close(actual, expected)
+
+
 def test_bad_slot_or_block_is_an_error_not_a_crash(native):
     spec = make_spec(4, 2, 16)
     cache, _ = fill_cache(native, spec, torch.float32, 4, [5])

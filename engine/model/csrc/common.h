@@ -82,6 +82,19 @@ inline float hsum8(__m256 v) {
 }
 #endif
 
+// Calls f(cache_t{}) with the C++ type of a KV cache dtype: the cache may be stored in a
+// narrower type than the model computes in (e.g. a bfloat16 cache under float32 compute).
+template <typename F>
+void with_cache_type(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(at::BFloat16{}); break;
+    case at::kHalf: f(at::Half{}); break;
+    case at::kChar: f(int8_t{}); break;
+    default: TORCH_CHECK(false, "unsupported KV cache dtype ", dtype);
+  }
+}
+
 // Rows per parallel task for row-wise kernels: small enough to split a decode batch,
 // large enough that a one-row call runs inline.
 constexpr int64_t kRowGrain = 4;

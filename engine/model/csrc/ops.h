@@ -31,6 +31,14 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& qkv, const at::Te
                             const std::optional<at::Tensor>& key_scale,
                             const std::optional<at::Tensor>& value_scale);
 
+// prefill_attention.cpp
+void paged_prefill_attention(at::Tensor& out, const at::Tensor& qkv, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& block_tables,
+                             const at::Tensor& query_starts, const at::Tensor& num_computed,
+                             int64_t num_heads, int64_t num_kv_heads, double scale,
+                             const std::optional<at::Tensor>& key_scale,
+                             const std::optional<at::Tensor>& value_scale);
+
 // int8_linear.cpp
 void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                  const at::Tensor& scales);

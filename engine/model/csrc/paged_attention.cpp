@@ -103,19 +103,6 @@ GroupKernels<cache_t> group_kernels(int64_t group, int64_t head_dim) {
   return k;
 }
 
-// Calls f(cache_t{}) with the C++ type of a KV cache dtype: the cache may be stored in a
-// narrower type than the model computes in (e.g. a bfloat16 cache under float32 compute).
-template <typename F>
-void with_cache_type(at::ScalarType dtype, F&& f) {
-  switch (dtype) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(at::BFloat16{}); break;
-    case at::kHalf: f(at::Half{}); break;
-    case at::kChar: f(int8_t{}); break;
-    default: TORCH_CHECK(false, "unsupported KV cache dtype ", dtype);
-  }
-}
-
 // Copy every token's key and value heads from its QKV row into its flat cache slot.
 // key_cache / value_cache: one layer, [kv_heads, num_blocks, block_size, head_dim].
 void write_kv(

@@ -18,6 +18,10 @@ TORCH_LIBRARY(kvserve, m) {
       "paged_decode_attention(Tensor(a!) out, Tensor qkv, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, float scale, "
       "Tensor? key_scale=None, Tensor? value_scale=None) -> ()");
+  m.def(
+      "paged_prefill_attention(Tensor(a!) out, Tensor qkv, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor query_starts, Tensor num_computed, int num_heads, "
+      "int num_kv_heads, float scale, Tensor? key_scale=None, Tensor? value_scale=None) -> ()");
   m.def("int8_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor scales) -> ()");
   m.def("int4_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor params) -> ()");
 }
@@ -29,6 +33,7 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("silu_and_mul", &kvserve::silu_and_mul);
   m.impl("write_kv", &kvserve::write_kv);
   m.impl("paged_decode_attention", &kvserve::paged_decode_attention);
+  m.impl("paged_prefill_attention", &kvserve::paged_prefill_attention);
   m.impl("int8_linear", &kvserve::int8_linear);
   m.impl("int4_linear", &kvserve::int4_linear);
 }
