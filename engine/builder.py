@@ -232,7 +232,7 @@ def _attach_tiers(
         layout = KVPoolLayout(kv_shape, host.num_blocks, args.block_size)
         host_pool = KVPool(layout, torch.device("cpu"))
     core.scheduler.kv.attach_tiers(planner)
-    core.tier_io = TierIO(runner.device_pool, host_pool, disk, planner.counters)
+    core.tier_io = TierIO(runner.device_pool, host_pool, disk, planner.counters, runner.staging)
     core._publish()  # the first stats snapshot already lists the tiers
 
 

@@ -23,7 +23,7 @@ import torch
 
 from engine.kv.disk_store import DiskStore
 from engine.kv.tiers import DEVICE, DISK, HOST, TierCounters
-from engine.model.kv_cache import KVPool, copy_blocks
+from engine.model.kv_cache import CopyStaging, KVPool, copy_blocks
 from engine.outputs import TierOp
 
 
@@ -36,8 +36,10 @@ class TierIO:
         host_pool: KVPool | None,
         disk: DiskStore | None,
         counters: dict[str, TierCounters],
+        staging: CopyStaging,
     ) -> None:
         self.pools = {DEVICE: device_pool}
+        self.staging = staging  # the runner's: tier copies are bounded like swaps
         if host_pool is not None:
             self.pools[HOST] = host_pool
         self.disk = disk
@@ -63,7 +65,7 @@ class TierIO:
                     arrived.append(ok)
             else:
                 pairs = [(op.source_block, op.target_block) for op in group]
-                copy_blocks(self.pools[first.source], self.pools[first.target], pairs)
+                copy_blocks(self.pools[first.source], self.pools[first.target], pairs, self.staging)
                 arrived = [True] * len(group)
                 for op in group:
                     _note_load(op, True, loaded, broken)
