@@ -150,6 +150,10 @@ class RequestDelta:
     # A stable label for ``error``: "engine_fault" (its batch failed: 500) or
     # "queue_timeout" (it waited too long to be scheduled: retryable, 503).
     error_code: str | None = None
+    # On a STOP finish: whether the last new token is the EOS / stop token id that ended
+    # the sequence (the server leaves it out of the text unless include_stop_str_in_output).
+    # False when a completed grammar ended it on an ordinary token.
+    ended_on_stop_token: bool = False
 
     @property
     def finished(self) -> bool:

@@ -650,6 +650,9 @@ class Scheduler:
             delta.prompt_logprobs = list(request.prompt_logprobs)
         status = self._stop_status(request, token, rid in result.grammar_completed)
         if status is not None:
+            delta.ended_on_stop_token = status is RequestStatus.FINISHED_STOPPED and (
+                token in request.sampling_params.stop_token_ids or token in request.eos_token_ids
+            )
             self._finish(request, delta, status)
         return delta
 

@@ -22,7 +22,7 @@ from fastapi import Request as HTTPRequest
 from engine.async_engine import GroupStream
 from engine.errors import EngineDeadError, RequestRejected
 from engine.outputs import RequestDelta, TokenLogprob
-from engine.request import FinishReason, Request, SamplingParams
+from engine.request import Request, SamplingParams
 from server.choice_output import LogprobGate, OutputOptions
 from server.detokenize import IncrementalDetokenizer, StopStringMatcher
 from server.errors import APIError, engine_dead, from_rejection, invalid
@@ -120,8 +120,7 @@ class ChoiceTracker:
         include_stop_str_in_output."""
         ids = list(delta.new_token_ids)
         logprobs = list(delta.logprobs or ())
-        stop_token = delta.finish_reason is FinishReason.STOP and delta.error is None
-        if stop_token and ids and not self.options.include_stop_str_in_output:
+        if delta.ended_on_stop_token and ids and not self.options.include_stop_str_in_output:
             ids.pop()
             logprobs = logprobs[: len(ids)]
         return ids, logprobs

@@ -122,8 +122,6 @@ def test_completion_unsupported_combinations(server: LiveServer):
     base = {"model": TINY_MODEL_NAME, "prompt": "x", "max_tokens": 1}
     assert_error(post(server, "/v1/completions", {**base, "suffix": "y"}), 400, "suffix")
     assert_error(post(server, "/v1/completions", {**base, "best_of": 3}), 400, "best_of")
-    both = {**base, "echo": True, "logprobs": 1}
-    assert_error(post(server, "/v1/completions", both), 400, "echo")
 
 
 def test_stream_options_without_stream(server: LiveServer):
