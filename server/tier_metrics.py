@@ -47,6 +47,8 @@ def tier_families(model: str, stats: EngineStats) -> Iterator[Metric]:
     )
     loading.add_metric([model], stats.num_loading)
     yield loading
+    if not stats.tiers:  # no tier configured: no family to list (nor empty counters)
+        return
     for name, doc, field in _GAUGES:
         gauge = GaugeMetricFamily(PREFIX + f"kv_tier_{name}", doc, labels=["model_name", "tier"])
         for tier in stats.tiers:

@@ -408,8 +408,11 @@ def test_cache_salt_separates_prefix_cache_sharing(server: LiveServer):
 
     assert hits_of("tenant-a") == 0
     assert hits_of("tenant-b") == 0  # same prompt, another salt: no block shared
-    assert hits_of(None) == 0  # nor with no salt
-    assert hits_of("tenant-a") > 0  # the same salt shares its blocks
+    # Unsalted, it may share only the chat template's opening block with earlier unsalted
+    # requests of this module, never the salted prompt's blocks.
+    unsalted = hits_of(None)
+    assert unsalted <= 16
+    assert hits_of("tenant-a") > unsalted  # the same salt shares all its full blocks
     assert hits_of("tenant-c", "/completions") == 0
     assert hits_of("tenant-c", "/completions") > 0
     resp = httpx.post(url, json={"model": TINY_MODEL_NAME, "messages": MESSAGES, "cache_salt": ""})

@@ -164,6 +164,7 @@ def test_sdk_stream_helper_parses_pydantic_tool_arguments(smollm_tools_server: L
         messages=ASK,  # type: ignore[arg-type]
         tools=[tool],
         tool_choice="required",
+        parallel_tool_calls=False,  # one call: an array of calls has no length bound
         max_tokens=120,
         temperature=0,
     ) as stream:
@@ -205,9 +206,17 @@ def test_full_tool_round_trip(smollm_tools_server: LiveServer):
     assert answer.message.tool_calls is None
     assert answer.message.content
     assert answer.finish_reason in ("stop", "length")
-    # The tool result reached the prompt: the second prompt holds the first and more.
-    assert second.usage and first.usage
-    assert second.usage.prompt_tokens > first.usage.prompt_tokens - 200
+    # The call and its result reached the prompt: it is longer than the question alone
+    # rendered the same way (tool_choice "none" leaves the tool list out of both).
+    alone = client.chat.completions.create(
+        model="smollm2",
+        messages=messages[:1],
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="none",
+        max_tokens=1,
+    )
+    assert second.usage and alone.usage
+    assert second.usage.prompt_tokens > alone.usage.prompt_tokens + 10
 
 
 @pytest.mark.slow
