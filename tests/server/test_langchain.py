@@ -68,7 +68,7 @@ def test_bind_tools_with_a_forced_call(smollm_tools_server: LiveServer):
 @pytest.mark.slow
 def test_bind_tools_streamed_chunks_reassemble(smollm_tools_server: LiveServer):
     llm = chat_model(smollm_tools_server, max_tokens=120).bind_tools(
-        [GetWeather], tool_choice="required"
+        [GetWeather], tool_choice="required", parallel_tool_calls=False
     )
     chunks = list(llm.stream("What is the weather like in Oslo?"))
     assert len(chunks) > 2
