@@ -650,8 +650,8 @@ class Scheduler:
             delta.prompt_logprobs = list(request.prompt_logprobs)
         status = self._stop_status(request, token, rid in result.grammar_completed)
         if status is not None:
-            delta.ended_on_stop_token = status is RequestStatus.FINISHED_STOPPED and (
-                token in request.sampling_params.stop_token_ids or token in request.eos_token_ids
+            delta.ended_on_stop_token = status is RequestStatus.FINISHED_STOPPED and _is_stop_token(
+                request, token
             )
             self._finish(request, delta, status)
         return delta
@@ -696,10 +696,7 @@ class Scheduler:
         num_output = len(request.output_token_ids)
         if grammar_completed:
             return RequestStatus.FINISHED_STOPPED
-        if num_output > params.min_tokens and (
-            token in params.stop_token_ids
-            or (not params.ignore_eos and token in request.eos_token_ids)
-        ):
+        if num_output > params.min_tokens and _is_stop_token(request, token):
             return RequestStatus.FINISHED_STOPPED
         if (
             num_output >= params.max_tokens
@@ -777,3 +774,11 @@ def _add_prompt_logprobs(request: Request, chunks: list[PromptLogprobChunk]) -> 
         skip = known - chunk.start
         if 0 <= skip < len(chunk.entries):
             request.prompt_logprobs.extend(chunk.entries[skip:])
+
+
+def _is_stop_token(request: Request, token: int) -> bool:
+    """A stop token id, or EOS unless the request ignores it."""
+    params = request.sampling_params
+    return token in params.stop_token_ids or (
+        not params.ignore_eos and token in request.eos_token_ids
+    )
