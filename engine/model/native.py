@@ -28,6 +28,7 @@ SOURCES = (
     "prefill_attention.cpp",
     "int8_linear.cpp",
     "int4_linear.cpp",
+    "token_mask.cpp",
     "register.cpp",
 )
 _CAPABILITY_FLAGS: dict[str, list[str]] = {

@@ -274,3 +274,23 @@ def test_int8_linear_matches_dequantized_weights(native, rows, in_features):
         torch.testing.assert_close(linear(x), expected, atol=1e-4, rtol=1e-5)
     rowwise_bytes = int8.numel() + ROWWISE_CHANNEL_BYTES * 37
     assert linear.nbytes == Int8Linear.from_dense(weight).nbytes + rowwise_bytes
+
+
+@pytest.mark.parametrize("vocab", [64, 100, 49152])  # 100: a partial last bitmask word
+def test_token_bitmask_matches_xgrammars_kernel(native, vocab):
+    """Structured outputs' mask: the native kernel blocks exactly what xgrammar's does, on
+    random words, all-allowed words (skipped) and all-blocked ones, in the chosen rows only."""
+    import xgrammar
+
+    torch.manual_seed(vocab)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (6, words), dtype=torch.int32)
+    bitmask[1, ::2] = -1
+    bitmask[2, 1::3] = 0
+    logits = torch.randn(6, vocab + 5)  # wider than the vocabulary, as a padded head is
+    expected = logits.clone()
+    rows = [0, 1, 2, 4]
+    xgrammar.apply_token_bitmask_inplace(expected, bitmask, vocab_size=vocab, indices=rows)
+    torch.ops.kvserve.apply_token_bitmask_(logits, bitmask, torch.tensor(rows), vocab)
+    assert torch.equal(logits, expected)
+    assert torch.isinf(logits[0, :vocab]).any() and not torch.isinf(logits[3]).any()

@@ -14,7 +14,6 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
-import xgrammar
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core import EngineCore
@@ -26,6 +25,7 @@ from engine.outputs import RequestDelta, SchedulerOutput
 from engine.request import FinishReason, Request, SamplingParams, StructuredOutputs
 from engine.sampler import SamplingRow
 from engine.structured import GrammarCompiler, GrammarDecoding
+from engine.structured import decoding as decoding_module
 from tests.model.engine_helpers import make_core
 
 pytestmark = pytest.mark.slow
@@ -349,13 +349,13 @@ def test_a_runner_without_a_compiler_fails_constrained_requests(tiny, eos):
 
 def test_one_mask_op_per_step_for_eight_constrained_rows(tiny, compiler, eos, monkeypatch):
     calls: list[int] = []
-    real_apply = xgrammar.apply_token_bitmask_inplace
+    real_apply = decoding_module.apply_bitmask
 
-    def counting_apply(logits: torch.Tensor, bitmask: torch.Tensor, **kwargs: Any) -> None:
-        calls.append(len(kwargs["indices"]))
-        real_apply(logits, bitmask, **kwargs)
+    def counting_apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab: int):
+        calls.append(len(rows))
+        real_apply(logits, bitmask, rows, vocab)
 
-    monkeypatch.setattr(xgrammar, "apply_token_bitmask_inplace", counting_apply)
+    monkeypatch.setattr(decoding_module, "apply_bitmask", counting_apply)
     core = core_for(tiny, compiler, eos)
     for i in range(8):
         params = constrained(JSON_SCHEMA, max_tokens=8, ignore_eos=True)
@@ -399,7 +399,7 @@ def test_mask_touches_only_constrained_rows_and_leaves_the_allowed_logits(
 
 def test_a_batch_without_grammars_does_no_mask_work(compiler, monkeypatch):
     calls: list[int] = []
-    monkeypatch.setattr(xgrammar, "apply_token_bitmask_inplace", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(decoding_module, "apply_bitmask", lambda *a, **k: calls.append(1))
     decoding = GrammarDecoding(compiler)
     logits = torch.randn(3, compiler.vocab_size)
     assert decoding.mask(logits, rows_for([None, None, None])) == 0
