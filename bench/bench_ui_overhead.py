@@ -8,7 +8,10 @@ the median output tok/s of each state. In the first open phase it saves a screen
 the page under load.
 
     python bench/bench_ui_overhead.py --repeats 2 --duration 50 --out bench/results/ui \
-        --screenshot docs/ui-block-map.png
+        --screenshot docs/ui-block-map.png --server-arg=--kv-cache-host-size=0.05
+
+Every conversation opens with the same system prompt (``--system-prompt-len`` words), so
+its blocks are shared on the map; a host tier makes the tier pools appear too.
 
 ``--url`` measures an already running server instead of starting one; ``--duration``
 bounds each phase (the load test's own --duration, with a 5 s drain) so that a slow
@@ -41,9 +44,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_server(port: int, model: str | None, log: Path) -> subprocess.Popen[bytes]:
+def start_server(
+    port: int, model: str | None, extra: list[str], log: Path
+) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port)]
-    cmd += ["--max-num-seqs", "32", "--log-level", "warning"]
+    cmd += ["--max-num-seqs", "32", "--log-level", "warning", *extra]
     if model:
         cmd += ["--model", model]
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
@@ -78,6 +83,7 @@ def run_phase(url: str, args: argparse.Namespace, seed: int, out: Path) -> subpr
     cmd += ["-t", str(args.turns), "--max-tokens", str(args.max_tokens), "--ignore-eos"]
     cmd += ["--seed", str(seed), "--json", str(out / f"phase-{seed}.json")]
     cmd += ["--png", str(out / f"phase-{seed}.png"), "--no-progress"]
+    cmd += ["--system-prompt-len", str(args.system_prompt_len)]
     if args.duration:
         cmd += ["--duration", str(args.duration), "--drain-timeout", "5"]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -105,6 +111,18 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument(
+        "--system-prompt-len",
+        type=int,
+        default=60,
+        help="words of a system prompt every conversation shares (its blocks are shared)",
+    )
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="an extra kvserve serve argument (repeatable): --server-arg=--kv-cache-host-size=1",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/ui"))
     parser.add_argument("--screenshot", type=Path, default=None)
     parser.add_argument("--url", default=None, help="a running server (default: start one)")
@@ -117,7 +135,7 @@ def main() -> int:
     else:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        server = start_server(port, args.model, args.out / "server.log")
+        server = start_server(port, args.model, args.server_arg, args.out / "server.log")
     driver = open_browser()
     results: list[dict[str, Any]] = []
     shot_taken = args.screenshot is None

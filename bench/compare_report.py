@@ -79,7 +79,9 @@ def _row(
         f"| {server} | {concurrency} | {requests['completed']} | {requests['cancelled']} | "
         f"{requests['failed']} | "
         f"{tokens_per_request:.0f} | {throughput:.1f} | {_ms(ttft)} | "
-        f"{_ms(latency['itl']['p50'])} | {_ms(latency['e2e']['p50'])} | {kv_events} | "
+        f"{_ms(latency['itl']['p50'])} | {_ms(latency['itl']['p99'])} | "
+        f"{_ms(summary.get('longest_output_stall_s'))} | "
+        f"{_ms(latency['e2e']['p50'])} | {kv_events} | "
         f"{tput_ratio} | {ttft_ratio} | {load} |"
     )
 
@@ -89,9 +91,9 @@ def summary_table(
 ) -> str:
     header = (
         "| server | conv. | ok | cut off | failed | out tok/req | out tok/s | TTFT p50 ms "
-        "| ITL p50 ms | e2e p50 ms | preempt / swap-out blocks | kvserve tok/s ratio "
-        "| kvserve TTFT ratio | load avg |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| ITL p50 ms | ITL p99 ms | longest stall ms | e2e p50 ms "
+        "| preempt / swap-out blocks | kvserve tok/s ratio | kvserve TTFT ratio | load avg |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     rows = [
         _row(

@@ -221,6 +221,14 @@ SERVERS: dict[str, ServerSpec] = {
             "kvserve-small-kv",
             _kvserve(("--num-kv-blocks", "256", "--max-model-len", "2048", "--swap-space", "0.25")),
         ),
+        # The same budget with the step-time bound off: prefill bounded by tokens only.
+        ServerSpec(
+            "kvserve-small-kv-token-budget",
+            _kvserve(
+                ("--num-kv-blocks", "256", "--max-model-len", "2048", "--swap-space", "0.25")
+                + ("--max-step-time-ms", "0")
+            ),
+        ),
         ServerSpec("llamacpp", _llamacpp),
         ServerSpec("transformers", _transformers, accepts_ignore_eos=False),
         ServerSpec("llama-server", _llama_server),

@@ -8,12 +8,16 @@ Order of operations on the float32 logits of each row:
     -> other rows: / temperature -> top_k -> top_p -> min_p -> draw
        (each truncation on what the previous one left, renormalised: transformers' order)
 
-Draws use the exponential race (argmax of p / E with E ~ Exp(1)), which equals sampling
-from p. A seeded request draws its noise from its own ``torch.Generator`` (one row of
-vocabulary-sized noise per step), so its tokens do not depend on what else is in the
-batch; unseeded rows share the sampler's generator. The only per-request Python work is
-building small index lists and drawing each seeded row's noise; nothing loops over the
-vocabulary.
+Draws invert each row's CDF: one uniform number u per row, and the token is the first
+whose cumulative probability (float64) exceeds u times the row's total, one batched
+``searchsorted``. A token of probability zero (truncated, or masked by a grammar) can never
+be drawn: the CDF does not rise there. A seeded request draws its u from its own
+``torch.Generator``, so its tokens do not depend on what else is in the batch; unseeded
+rows share the sampler's generator. One random number per row is what makes this cheap:
+the exponential race it replaced drew a vocabulary's worth of noise per row, ~2.5 ms a row
+for SmolLM2's 49k tokens on the CPU (45 ms of a 200 ms step at 32 sampled rows). The only
+per-request Python work is building small index lists and each seeded row's one draw;
+nothing loops over the vocabulary.
 """
 
 from __future__ import annotations
@@ -114,22 +118,25 @@ class Sampler:
         )
         probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
         probs = apply_truncation(probs, rows)
-        noise = self._exponential_noise(rows, probs.shape[-1], device)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = self._draw(probs, rows)
         if not any(greedy):
             return sampled
         greedy_mask = torch.tensor(greedy, device=device)
         return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
 
-    def _exponential_noise(
-        self, rows: list[SamplingRow], vocab: int, device: torch.device
-    ) -> torch.Tensor:
-        noise = torch.empty(len(rows), vocab, device=device)
-        noise.exponential_(generator=self._shared_generator(device))
+    def _draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """One token per row from ``probs`` (rows need not sum to one), by inverse CDF."""
+        device = probs.device
+        uniform = torch.empty(len(rows), dtype=torch.float64, device=device)
+        uniform.uniform_(generator=self._shared_generator(device))
         for i, row in enumerate(rows):
             if row.seed is not None and not row.params.greedy:
-                noise[i].exponential_(generator=self._generator_for(row, device))
-        return noise
+                generator = self._generator_for(row, device)
+                uniform[i] = torch.rand((), dtype=torch.float64, generator=generator, device=device)
+        cdf = probs.to(torch.float64).cumsum_(dim=-1)
+        target = (uniform * cdf[:, -1]).unsqueeze(1)
+        tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
+        return tokens.clamp_(max=probs.shape[-1] - 1)
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         generator = self._shared.get(device)

@@ -75,6 +75,11 @@ def format_summary(document: dict[str, Any]) -> str:
             f"{name:<5} p50 {_ms(dist['p50'])}  p90 {_ms(dist['p90'])}  "
             f"p99 {_ms(dist['p99'])}  (n={dist['count']})"
         )
+    if "longest_output_stall_s" in summary:
+        lines.append(
+            f"stall    longest {_ms(summary['longest_output_stall_s'])} with no token "
+            "while requests were in flight"
+        )
     slo = goodput["slo"]
     lines.append(
         f"goodput  {goodput['fraction']:.1%} of requests within TTFT<={slo['ttft_s']}s, "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from loadtest.client import STATUS_CANCELLED, RequestRecord
@@ -88,6 +88,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO) -> 
             "tpot": distribution([r.tpot for r in ok if r.tpot is not None]),
             "e2e": distribution([r.e2e for r in ok if r.e2e is not None]),
         },
+        "longest_output_stall_s": longest_output_stall(records),
         "goodput": {
             "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s},
             "good_requests": len(good),
@@ -96,6 +97,36 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO) -> 
             "output_tokens_per_s": _rate(sum(r.completion_tokens for r in good), duration_s),
         },
     }
+
+
+def longest_output_stall(records: Sequence[RequestRecord]) -> float:
+    """The longest time in which no request received a token while some request was in
+    flight (the union of the requests' start-to-end intervals). A server that prefills for
+    seconds while every stream waits shows it here; ITL percentiles average it away."""
+    events = sorted(t for r in records for t in r.chunk_times)
+    longest, index = 0.0, 0
+    for start, end in _union(
+        (r.start, r.end) for r in records if r.end is not None and r.end > r.start
+    ):
+        while index < len(events) and events[index] <= start:
+            index += 1
+        previous = start
+        while index < len(events) and events[index] < end:
+            longest = max(longest, events[index] - previous)
+            previous = events[index]
+            index += 1
+        longest = max(longest, end - previous)
+    return longest
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def bin_width(duration_s: float, max_bins: int = 120) -> float:

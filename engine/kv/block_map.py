@@ -19,6 +19,10 @@ reference count is the number of block tables that hold it (the invariant
 - per pool, the cached-free blocks in eviction order (head = evicted first), as ranges;
 - every other block is free.
 
+Pools: ``device``, ``host`` (swap space) and, when ``--kv-cache-host-size`` /
+``--kv-cache-disk-size`` configure them, the prefix-cache tiers ``host-tier`` and
+``disk-tier``, whose blocks are all cached prefixes.
+
 Byte figures come from ``engine.kv.accounting``, the single source of KV arithmetic.
 Pure Python: no torch.
 """
@@ -34,12 +38,15 @@ from engine.kv import accounting
 from engine.kv.accounting import KVShape
 from engine.kv.block_pool import BlockPool
 from engine.kv.manager import KVCacheManager
+from engine.kv.tiers import TieredPrefixCache
 from engine.outputs import EngineStats
 from engine.request import Request, RequestStatus
 
 # Request states shown on the page. "preempted" is a waiting request that already ran and
 # was preempted for recompute (its blocks were freed; it restarts from its prompt).
 RUNNING, WAITING, SWAPPED, PREEMPTED = "running", "waiting", "swapped", "preempted"
+# The prefix-cache tiers' pools on the page ("host" is the swap pool).
+HOST_TIER, DISK_TIER = "host-tier", "disk-tier"
 
 
 class SchedulerView(Protocol):
@@ -137,7 +144,11 @@ class BlockMapProbe:
         live = scheduler.live_requests()
         rows = tuple(_request_row(r, kv, self._clock, now) for r in live)
         self._clock.forget_except(r.request_id for r in live)
-        pools = (_pool_capture("device", kv.device), _pool_capture("host", kv.host))
+        pools = (
+            _pool_capture("device", kv.device),
+            _pool_capture("host", kv.host),
+            *_tier_captures(kv.tiers, scheduler.kv_shape, kv.block_size),
+        )
         self._seq += 1
         return BlockMapCapture(
             seq=self._seq,
@@ -196,6 +207,25 @@ def _pool_capture(name: str, pool: BlockPool) -> PoolCapture:
                     break
     newest_first.reverse()
     return PoolCapture(name=name, num_blocks=pool.num_blocks, cached_lru=tuple(newest_first))
+
+
+def _tier_captures(
+    tiers: TieredPrefixCache | None, shape: KVShape, block_size: int
+) -> list[PoolCapture]:
+    """The prefix-cache tiers below the device, drawn like pools of cached blocks. The host
+    tier is a ``BlockPool`` of its own; disk entries have no block ids, so the disk tier's
+    cell ``i`` is its ``i``-th entry in eviction order (the disk store's LRU), out of the
+    blocks ``--kv-cache-disk-size`` holds."""
+    if tiers is None:
+        return []
+    captures = []
+    if tiers.host.num_blocks:
+        captures.append(_pool_capture(HOST_TIER, tiers.host))
+    if tiers.disk is not None:
+        capacity = accounting.disk_tier_blocks(shape, block_size, tiers.disk.capacity_bytes)
+        entries = min(tiers.disk.num_entries, capacity)
+        captures.append(PoolCapture(DISK_TIER, capacity, tuple(range(entries))))
+    return captures
 
 
 # -- encoding ---------------------------------------------------------------------------------

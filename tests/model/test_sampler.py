@@ -152,3 +152,17 @@ def test_logprobs_are_the_raw_log_softmax_with_sorted_alternatives():
     assert second is not None and second.top == ()
     assert second.logprob == pytest.approx(float(reference[1, result.token_ids[1]]), abs=1e-5)
     assert result.logprobs[2] is None
+
+
+def test_tokens_of_zero_probability_are_never_drawn():
+    """Masked logits (a grammar's -inf, a banned token) have zero probability: the inverse
+    CDF never lands on them, at either end of the vocabulary or between allowed tokens."""
+    logits = torch.full((64, VOCAB), float("-inf"))
+    allowed = [1, 2, 7, VOCAB - 2]
+    logits[:, allowed] = torch.randn(64, len(allowed))
+    rows = [row(f"r{i}", seed=i if i % 2 else None, temperature=1.5) for i in range(64)]
+    sampler = Sampler()
+    drawn: set[int] = set()
+    for _ in range(50):
+        drawn.update(sampler.sample(logits.clone(), rows).token_ids)
+    assert drawn == set(allowed)

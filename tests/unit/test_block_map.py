@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv import accounting
 from engine.kv.accounting import KVShape
 from engine.kv.block_map import (
+    DISK_TIER,
+    HOST_TIER,
     PREEMPTED,
     RUNNING,
     SWAPPED,
@@ -18,6 +21,8 @@ from engine.kv.block_map import (
     expand_ranges,
     id_ranges,
 )
+from engine.kv.disk_store import DiskFingerprint, DiskStore
+from engine.kv.tiers import TieredPrefixCache
 from engine.outputs import RunnerOutput
 from engine.request import SamplingParams
 from engine.scheduler import Scheduler
@@ -110,6 +115,41 @@ def test_cached_blocks_are_listed_in_eviction_order() -> None:
     expected = [b.block_id for b in sched.kv.device.free_queue if b.block_hash is not None]
     assert list(capture.pools[0].cached_lru) == expected
     assert len(expected) == 4  # two full blocks each, freed tail first
+
+
+def test_prefix_cache_tiers_are_pools_of_cached_blocks(tmp_path: Path) -> None:
+    """Evicted device prefixes land in the host tier, its evictions on disk; the page draws
+    both tiers with their cached blocks in eviction order."""
+    sched = make_scheduler(blocks=4)
+    entry = accounting.disk_entry_bytes(SHAPE, 4)
+    disk = DiskStore(tmp_path, 10 * entry, DiskFingerprint("m", "float32", "float32", 4, 2, 2, 8))
+    sched.kv.attach_tiers(TieredPrefixCache(num_host_blocks=2, disk=disk))
+    for i in range(6):  # each evicts cached prefixes of the ones before it
+        sched.add_request(make_group(f"r{i}", list(range(100 * i, 100 * i + 9)), SamplingParams(1)))
+        out = sched.schedule()
+        for op in out.tier_ops:  # what the runner does with a write to disk
+            if op.target == "disk":
+                disk.submit(op.block_hash, lambda: b"kv")
+        sched.update(out, RunnerOutput({r.request_id: 1 for r in out.scheduled if r.sample}))
+    assert disk.flush(10)
+    snapshot = encode(BlockMapProbe().capture(sched))
+    pools = {p["name"]: p for p in snapshot["pools"]}
+    assert list(pools) == ["device", "host", HOST_TIER, DISK_TIER]
+    host_tier = sched.kv.tiers.host
+    assert pools[HOST_TIER]["num_blocks"] == 2
+    assert expand_ranges(pools[HOST_TIER]["cached_lru"]) == [
+        b.block_id for b in host_tier.free_queue if b.block_hash is not None
+    ]
+    assert len(expand_ranges(pools[HOST_TIER]["cached_lru"])) == 2
+    assert pools[DISK_TIER]["num_blocks"] == 10
+    assert expand_ranges(pools[DISK_TIER]["cached_lru"]) == list(range(disk.num_entries))
+    assert disk.num_entries > 0
+    disk.close()
+
+
+def test_a_server_without_tiers_shows_only_its_pools() -> None:
+    snapshot = encode(BlockMapProbe().capture(make_scheduler(blocks=8)))
+    assert [p["name"] for p in snapshot["pools"]] == ["device", "host"]
 
 
 def test_states_waiting_preempted_and_swapped_with_time_in_state() -> None:

@@ -20,7 +20,7 @@ from loadtest.prompts import Conversation, shared_system_prompt
 from loadtest.report import build_result, format_summary
 from loadtest.runner import RunResult
 from loadtest.scrape import METRICS, parse_metrics
-from loadtest.stats import percentile, summarize, throughput_series
+from loadtest.stats import longest_output_stall, percentile, summarize, throughput_series
 from server.metrics import ServerMetrics
 
 
@@ -192,6 +192,18 @@ class TestStatistics:
         # Only the first request meets TTFT <= 1 s and mean ITL <= 0.2 s.
         assert summary["goodput"]["good_requests"] == 1
         assert summary["goodput"]["output_tokens_per_s"] == pytest.approx(4 / 4)
+
+    def test_longest_output_stall_counts_only_time_someone_waits(self) -> None:
+        # Tokens at 0.5 0.6 0.7 (first request), 2.5 (second, which started at 1.0): no
+        # token from 0.7 to 2.5 though only the second request waited from 1.0 on.
+        records = [_record(0.0, 0.5, [0.1, 0.1]), _record(1.0, 1.5, [0.2])]
+        assert longest_output_stall(records) == pytest.approx(1.5)
+        # A third request in flight over the idle time makes the whole gap a stall.
+        records.append(_record(0.6, 2.0, []))
+        assert longest_output_stall(records) == pytest.approx(1.8)
+        # Waiting for a first token counts too; no requests, no stall.
+        assert longest_output_stall([_record(5.0, 3.0, [0.1])]) == pytest.approx(3.0)
+        assert longest_output_stall([]) == 0.0
 
     def test_throughput_series_sums_to_the_output_tokens(self) -> None:
         records = [_record(0.0, 0.5, [0.4] * 9), _record(0.0, 1.0, [1.0] * 4)]

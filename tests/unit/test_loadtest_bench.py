@@ -57,5 +57,5 @@ def test_summary_has_ratios_to_kvserve(tmp_path: Path) -> None:
     assert kvserve[5] == "100"  # output tokens per finished request
     assert kvserve[6] == "50.0" and llamacpp[6] == "12.5"  # output tokens per second
     assert kvserve[7] == "500" and llamacpp[7] == "2000"  # TTFT p50, ms
-    assert llamacpp[11:] == ["4.00x", "4.00x", "1.5/2.0"]  # kvserve is 4x better on both
-    assert kvserve[11:] == ["1.00x", "1.00x", "-"]
+    assert llamacpp[13:] == ["4.00x", "4.00x", "1.5/2.0"]  # kvserve is 4x better on both
+    assert kvserve[13:] == ["1.00x", "1.00x", "-"]
