@@ -210,6 +210,8 @@ def _transformers_cache_flags(args: argparse.Namespace) -> list[str]:
     ]
 
 
+SMALL_KV = ("--num-kv-blocks", "256", "--max-model-len", "2048", "--swap-space", "0.25")
+
 SERVERS: dict[str, ServerSpec] = {
     spec.name: spec
     for spec in (
@@ -219,15 +221,12 @@ SERVERS: dict[str, ServerSpec] = {
         # ~4k tokens of KV: about 6 of 32 four-turn conversations fit at once.
         ServerSpec(
             "kvserve-small-kv",
-            _kvserve(("--num-kv-blocks", "256", "--max-model-len", "2048", "--swap-space", "0.25")),
+            _kvserve(SMALL_KV),
         ),
         # The same budget with the step-time bound off: prefill bounded by tokens only.
         ServerSpec(
             "kvserve-small-kv-token-budget",
-            _kvserve(
-                ("--num-kv-blocks", "256", "--max-model-len", "2048", "--swap-space", "0.25")
-                + ("--max-step-time-ms", "0")
-            ),
+            _kvserve((*SMALL_KV, "--max-step-time-ms", "0")),
         ),
         ServerSpec("llamacpp", _llamacpp),
         ServerSpec("transformers", _transformers, accepts_ignore_eos=False),
