@@ -78,19 +78,25 @@ def open_browser() -> Any:
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
 
 
-def run_phase(url: str, args: argparse.Namespace, seed: int, out: Path) -> subprocess.Popen[bytes]:
+def run_phase(
+    url: str, args: argparse.Namespace, seed: int, out: Path, name: str
+) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "loadtest", "--url", url, "-c", str(args.concurrency)]
     cmd += ["-t", str(args.turns), "--max-tokens", str(args.max_tokens), "--ignore-eos"]
-    cmd += ["--seed", str(seed), "--json", str(out / f"phase-{seed}.json")]
-    cmd += ["--png", str(out / f"phase-{seed}.png"), "--no-progress"]
+    cmd += ["--seed", str(seed), "--json", str(out / f"phase-{name}.json")]
+    cmd += ["--png", str(out / f"phase-{name}.png"), "--no-progress"]
     cmd += ["--system-prompt-len", str(args.system_prompt_len)]
     if args.duration:
         cmd += ["--duration", str(args.duration), "--drain-timeout", "5"]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def screenshot_when_busy(driver: Any, path: Path, stop: threading.Event) -> None:
-    """Wait until the page shows a busy pool, then save the screenshot."""
+def screenshot_when_busy(
+    driver: Any, path: Path, stop: threading.Event, after_s: float = 20.0
+) -> None:
+    """Wait ``after_s`` (so the prefix cache, and any tier, fill) until the page shows a
+    busy pool, then save the screenshot."""
+    stop.wait(after_s)
     while not stop.is_set():
         running = driver.execute_script(
             "const d = document.getElementById('requests').dataset;"
@@ -102,6 +108,70 @@ def screenshot_when_busy(driver: Any, path: Path, stop: threading.Event) -> None
             driver.save_screenshot(str(path))
             return
         time.sleep(0.5)
+
+
+def cpu_seconds(pids: list[int]) -> dict[int, float]:
+    """User + system CPU seconds of each process (all its threads) so far."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    seconds = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        seconds[pid] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return seconds
+
+
+def cpu_used(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds between two readings; processes started in between count whole (the
+    browser starts renderers per page). Processes that ended in between are lost."""
+    return sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
+
+
+def descendants(root: int) -> list[int]:
+    """``root`` and every process below it (the browser's renderer, GPU, ... processes)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += parents.get(pid, [])
+    return found
+
+
+class StreamViewer:
+    """The page's server-side cost without a browser: reads /ui/api/stream like the page."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.snapshots = 0
+
+    def open(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
+
+    def _read(self) -> None:
+        with httpx.stream("GET", f"{self.url}/ui/api/stream", timeout=None) as response:
+            for line in response.iter_lines():
+                if line.startswith("event: snapshot"):
+                    self.snapshots += 1
+                if self._stop.is_set():
+                    return
 
 
 def main() -> int:
@@ -123,6 +193,20 @@ def main() -> int:
         default=[],
         help="an extra kvserve serve argument (repeatable): --server-arg=--kv-cache-host-size=1",
     )
+    parser.add_argument(
+        "--viewer",
+        choices=("browser", "stream"),
+        default="browser",
+        help="browser: headless Chromium renders the page (on this machine's cores); "
+        "stream: read /ui/api/stream only, the server's side of an open page",
+    )
+    parser.add_argument("--seed", type=int, default=100)
+    parser.add_argument(
+        "--same-prompts",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="every phase sends the same conversations (after an unmeasured warm-up phase)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/ui"))
     parser.add_argument("--screenshot", type=Path, default=None)
     parser.add_argument("--url", default=None, help="a running server (default: start one)")
@@ -136,9 +220,10 @@ def main() -> int:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         server = start_server(port, args.model, args.server_arg, args.out / "server.log")
-    driver = open_browser()
+    driver = open_browser() if args.viewer == "browser" else None
+    viewer = StreamViewer(url) if args.viewer == "stream" else None
     results: list[dict[str, Any]] = []
-    shot_taken = args.screenshot is None
+    shot_taken = args.screenshot is None or driver is None
     try:
         states = []
         for pair in range(args.repeats):
@@ -147,8 +232,21 @@ def main() -> int:
                 if pair % 2 == 0
                 else ["open", "closed", "closed", "open"]
             )
-        for seed, state in enumerate(states, start=100):
-            driver.get(f"{url}/ui" if state == "open" else "about:blank")
+        if args.same_prompts:
+            # Every phase sends the same conversations, so phases differ only in the page;
+            # an unmeasured first phase fills the prefix cache they all then hit alike.
+            run_phase(url, args, args.seed, args.out, name="warmup").wait()
+        for index, state in enumerate(states):
+            seed = args.seed if args.same_prompts else args.seed + index
+            phase_name = str(100 + index)
+            if driver is not None:
+                driver.get(f"{url}/ui" if state == "open" else "about:blank")
+            elif viewer is not None and state == "open":
+                viewer.open()
+            server_pids = [server.pid] if server is not None else []
+            browser_root = driver.service.process.pid if driver is not None else None
+            server_before = cpu_seconds(server_pids)
+            browser_before = cpu_seconds(descendants(browser_root) if browser_root else [])
             stop = threading.Event()
             shooter = None
             if state == "open" and not shot_taken:
@@ -157,18 +255,44 @@ def main() -> int:
                 )
                 shooter.start()
                 shot_taken = True
-            phase = run_phase(url, args, seed, args.out)
+            phase = run_phase(url, args, seed, args.out, name=phase_name)
             phase.wait()
             stop.set()
             if shooter is not None:
                 shooter.join()
-            document = json.loads((args.out / f"phase-{seed}.json").read_text())
-            tps = document["summary"]["throughput"]["output_tokens_per_s"]
+            if viewer is not None and state == "open":
+                viewer.close()
+            server_cpu = cpu_used(server_before, cpu_seconds(server_pids))
+            browser_after = cpu_seconds(descendants(browser_root) if browser_root else [])
+            browser_cpu = cpu_used(browser_before, browser_after)
+            document = json.loads((args.out / f"phase-{phase_name}.json").read_text())
+            summary = document["summary"]
+            tps = summary["throughput"]["output_tokens_per_s"]
+            output = summary["tokens"]["output"]
             load = os.getloadavg()[0]
-            results.append({"phase": seed, "page": state, "output_tok_s": tps, "load1": load})
-            print(f"phase {seed} page {state:6s} {tps:7.1f} out tok/s  load {load:.1f}", flush=True)
+            results.append(
+                {
+                    "phase": phase_name,
+                    "seed": seed,
+                    "page": state,
+                    "output_tok_s": tps,
+                    "output_tokens": output,
+                    "server_cpu_s": server_cpu,
+                    "server_cpu_ms_per_token": 1000 * server_cpu / max(1, output),
+                    "browser_cpu_s": browser_cpu,
+                    "duration_s": summary["duration_s"],
+                    "load1": load,
+                }
+            )
+            print(
+                f"phase {phase_name} page {state:6s} {tps:7.1f} out tok/s  server "
+                f"{1000 * server_cpu / max(1, output):.1f} CPU-ms/token  browser "
+                f"{browser_cpu:.1f} CPU-s  load {load:.1f}",
+                flush=True,
+            )
     finally:
-        driver.quit()
+        if driver is not None:
+            driver.quit()
         if server is not None:
             server.terminate()
             server.wait(60)
@@ -176,12 +300,24 @@ def main() -> int:
         s: statistics.median(r["output_tok_s"] for r in results if r["page"] == s)
         for s in ("closed", "open")
     }
+    cpu_per_token = {
+        s: statistics.median(r["server_cpu_ms_per_token"] for r in results if r["page"] == s)
+        for s in ("closed", "open")
+    }
     ratio = medians["open"] / medians["closed"]
-    summary = {"phases": results, "median_output_tok_s": medians, "open_over_closed": ratio}
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    summary = {
+        "viewer": args.viewer,
+        "phases": results,
+        "median_output_tok_s": medians,
+        "open_over_closed": ratio,
+        "median_server_cpu_ms_per_token": cpu_per_token,
+        "snapshots_read": viewer.snapshots if viewer is not None else None,
+    }
+    (args.out / f"summary-{args.viewer}.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(
         f"median out tok/s: closed {medians['closed']:.1f}, open {medians['open']:.1f} "
-        f"(open/closed {ratio:.3f})"
+        f"(open/closed {ratio:.3f}); server CPU-ms per output token: closed "
+        f"{cpu_per_token['closed']:.1f}, open {cpu_per_token['open']:.1f}"
     )
     return 0
 

@@ -231,8 +231,8 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 def apply_truncation(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """top_k, then top_p, then min_p, each on the distribution the previous one left (as
     transformers' warpers and vLLM do). Removed tokens get probability 0; the result is
-    not renormalised (the exponential race does not need it). Rows not using a control
-    get a no-op value for it."""
+    not renormalised (the inverse-CDF draw scales by each row's total). Rows not using a
+    control get a no-op value for it."""
     if any(r.params.top_k > 0 for r in rows):
         probs = _top_k(probs, rows)
     if any(r.params.top_p < 1.0 for r in rows):

@@ -22,6 +22,7 @@
     facts: null,
     snap: null,
     pools: [], // decoded pools: {name, n, refs, lru, numCached, canvas, cell, cols}
+    images: {}, // pool name -> the ImageData its canvas is drawn from, reused
     selected: null,
     generation: 0, // bumps on every (re)connect so a stale reader stops
   };
@@ -226,13 +227,20 @@
     const cell = Math.max(1, Math.min(16, Math.floor(Math.sqrt((width * maxHeight) / pool.n))));
     const cols = Math.max(1, Math.floor(width / cell));
     const rows = Math.ceil(pool.n / cols);
-    canvas.width = cols * cell;
-    canvas.height = rows * cell;
-    canvas.style.width = `${cols * cell}px`;
-    canvas.style.height = `${rows * cell}px`;
+    // Resizing a canvas reallocates and clears it: only when the geometry changes. The
+    // pixel buffer is reused across snapshots too (two a second, megabytes each).
+    if (canvas.width !== cols * cell || canvas.height !== rows * cell) {
+      canvas.width = cols * cell;
+      canvas.height = rows * cell;
+      canvas.style.width = `${cols * cell}px`;
+      canvas.style.height = `${rows * cell}px`;
+    }
     Object.assign(pool, { canvas, cell, cols });
     const ctx = canvas.getContext("2d");
-    const image = ctx.createImageData(canvas.width, canvas.height);
+    let image = state.images[pool.name];
+    if (!image || image.width !== canvas.width || image.height !== canvas.height) {
+      image = state.images[pool.name] = ctx.createImageData(canvas.width, canvas.height);
+    }
     const px = new Uint32Array(image.data.buffer);
     const gap = cell >= 5 ? 1 : 0;
     const highlight = selectedBlocks(pool.name);
