@@ -347,6 +347,8 @@ def bench_server(spec: ServerSpec, args: argparse.Namespace, out: Path) -> None:
     log_path = out / f"{spec.name}-server.log"
     env = server_env(spec, args)
     command = spec.command(args, port)
+    if spec.name.startswith("kvserve"):
+        command += args.kvserve_arg
     print(f"== {spec.name}: {' '.join(command)}", flush=True)
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
@@ -427,6 +429,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--hf-dir",
         default="/tmp/smollm2-hf",
         help="dequantized copy for transformers serve (made if missing)",
+    )
+    parser.add_argument(
+        "--kvserve-arg",
+        action="append",
+        default=[],
+        help="an extra flag for every kvserve server (repeatable), e.g. --kvserve-arg=--foo=1",
     )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     return parser.parse_args(argv)
