@@ -351,9 +351,9 @@ def test_one_mask_op_per_step_for_eight_constrained_rows(tiny, compiler, eos, mo
     calls: list[int] = []
     real_apply = decoding_module.apply_bitmask
 
-    def counting_apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], *rest):
+    def counting_apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab: int):
         calls.append(len(rows))
-        real_apply(logits, bitmask, rows, *rest)
+        real_apply(logits, bitmask, rows, vocab)
 
     monkeypatch.setattr(decoding_module, "apply_bitmask", counting_apply)
     core = core_for(tiny, compiler, eos)
