@@ -132,7 +132,8 @@ PAGE_COUNTS = """
 const t = document.getElementById('requests').dataset;
 const used = document.getElementById('count-used').textContent.replace(/,/g, '');
 return {seq: Number(document.body.dataset.seq || 0), running: Number(t.running),
-        waiting: Number(t.waiting), used: Number(used)};
+        waiting: Number(t.waiting), used: Number(used),
+        steps: kvui.state.snap ? kvui.state.snap.totals.steps_total : -1};
 """
 
 CANVAS_PIXELS = """
@@ -251,20 +252,30 @@ def click_a_running_row(driver: Any, by: Any) -> str:
 
 
 def check_counts_against_metrics(driver: Any, url: str) -> None:
-    """Read the page, scrape /metrics, wait for the page's next update: each metric lies
-    between the page's two readings (the scrape happened between them)."""
+    """Read the page, scrape /metrics, wait for a page update captured after the scrape:
+    each metric lies between the page's two readings.
+
+    Ordered by engine steps, not by arrival: a snapshot can be captured before the scrape
+    and drawn after it, so "after" is the first one whose ``steps_total`` exceeds the
+    scrape's. The streams only grow while none finishes (same running count before and
+    after), which is what makes "between" exact; a reading across a finish is retried.
+    """
     auth = {"Authorization": f"Bearer {KEY}"}
     checks = 0
-    for _ in range(5):
+    for _ in range(15):
         before = driver.execute_script(PAGE_COUNTS)
         scrape = httpx.get(f"{url}/metrics", headers=auth).text
+        steps = metric(scrape, "kvserve_engine_steps_total")
+        assert before["steps"] <= steps, (before, steps)
         after = wait_until(
             driver,
             PAGE_COUNTS.replace(
                 "return {",
-                f"if (Number(document.body.dataset.seq) <= {before['seq']}) return null; return {{",
+                f"if (!(kvui.state.snap.totals.steps_total > {steps})) return null; return {{",
             ),
         )
+        if before["running"] != after["running"]:
+            continue  # a stream finished in between: its blocks went back to the pool
         metrics = {
             "running": metric(scrape, "kvserve_num_requests_running"),
             "waiting": metric(scrape, "kvserve_num_requests_waiting"),
@@ -274,4 +285,6 @@ def check_counts_against_metrics(driver: Any, url: str) -> None:
             low, high = sorted((before[key], after[key]))
             assert low <= value <= high, (key, before, value, after)
         checks += 1
-    assert checks == 5
+        if checks == 5:
+            return
+    raise AssertionError(f"only {checks} of 5 readings without a stream finishing")
