@@ -1,6 +1,7 @@
 """EngineCore: one synchronous step of the engine, and a stats snapshot for other threads.
 
     step():  out = scheduler.schedule() -> result = runner.execute(out) -> scheduler.update()
+             (tier moves before the forward; tier write-aheads beside it, done on return)
 
 The runner runs through a ``StepExecutor`` (engine/step_executor.py): a failure inside a
 step's forward fails only that batch's requests (their deltas carry ``error``), an
@@ -14,7 +15,9 @@ snapshot published after the last mutation (a reference swap, atomic under the G
 
 from __future__ import annotations
 
+import logging
 import time
+from concurrent.futures import Future
 from typing import Protocol
 
 from engine.outputs import EngineStats, RequestDelta, RunnerOutput, SchedulerOutput, TierOp
@@ -22,6 +25,8 @@ from engine.request import FinishReason, Request
 from engine.scheduler import Scheduler
 from engine.step_cost import StepCostMeter
 from engine.step_executor import EngineFault, StepExecutor
+
+logger = logging.getLogger(__name__)
 
 # RequestDelta.error_code values.
 QUEUE_TIMEOUT = "queue_timeout"
@@ -42,6 +47,7 @@ class TierMover(Protocol):
     """Applies the tiered prefix cache's moves (engine/model/tier_io.py)."""
 
     def apply(self, ops: list[TierOp], *, wait_for_disk: bool = False) -> dict[str, int]: ...
+    def start_writes_ahead(self, ops: list[TierOp]) -> Future[None] | None: ...
     def close(self) -> None: ...
 
 
@@ -110,6 +116,13 @@ class EngineCore:
         out = self.scheduler.schedule()
         if out.tier_ops:
             self._apply_tier_ops(out)
+        writes = self._start_writes_ahead(out.tier_writes_ahead)
+        try:
+            return self._execute(out)
+        finally:
+            self._finish_writes_ahead(writes, out.tier_writes_ahead)
+
+    def _execute(self, out: SchedulerOutput) -> list[RequestDelta]:
         if out.is_empty and not out.finished_request_ids:
             self._publish()  # a step may preempt (recompute) without scheduling anything
             return []
@@ -132,6 +145,23 @@ class EngineCore:
         loading a prefix then join the running set with what arrived."""
         loaded = self.tier_io.apply(out.tier_ops) if self.tier_io is not None else {}
         self.scheduler.finish_loads(loaded)
+
+    def _start_writes_ahead(self, ops: list[TierOp]) -> Future[None] | None:
+        if not ops or self.tier_io is None:
+            return None
+        return self.tier_io.start_writes_ahead(ops)
+
+    def _finish_writes_ahead(self, writes: Future[None] | None, ops: list[TierOp]) -> None:
+        """Wait for the step's write-aheads (long done: a forward is slower than a copy).
+        A failed one costs only its cached copies, never the engine."""
+        if writes is None:
+            return
+        try:
+            writes.result()
+        except Exception:
+            logger.exception("tier write-ahead failed; its %d blocks stay uncached", len(ops))
+            assert self.scheduler.kv.tiers is not None
+            self.scheduler.kv.tiers.forget_writes(ops)
 
     def close(self) -> None:
         """At shutdown: put every cached prefix block on disk (when there is a disk tier)

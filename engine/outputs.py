@@ -82,6 +82,9 @@ class SchedulerOutput:
     num_preempted: int = 0
     # Prefix-cache tier moves, applied first and in order (engine/model/tier_io.py).
     tier_ops: list[TierOp] = field(default_factory=list)
+    # Tier copies that run beside the forward (engine/kv/tiers.py write_ahead), on a
+    # writer thread; done before the step returns. They touch no block the step uses.
+    tier_writes_ahead: list[TierOp] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -188,6 +191,7 @@ class TierStats:
     load_seconds_total: float = 0.0
     dropped_writes_total: int = 0
     failed_loads_total: int = 0
+    in_step_stores_total: int = 0  # blocks stored inside a step, not written ahead
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,13 @@ class Scheduler:
         self.kv_shape = kv_shape
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(cache_config)
+        # The most blocks one step allocates short of a tier load: its token budget plus a
+        # new block per running sequence. Cached blocks that close to the head of the free
+        # queue are copied to the host tier ahead of their eviction.
+        self._write_ahead_window = (
+            blocks_for_tokens(scheduler_config.max_num_batched_tokens, self.block_size)
+            + scheduler_config.max_num_seqs
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -318,6 +325,7 @@ class Scheduler:
         out.copies = self.kv.take_copies()
         if self.kv.tiers is not None:
             out.tier_ops = self.kv.tiers.take_ops()
+            out.tier_writes_ahead = self.kv.write_ahead(self._write_ahead_window)
         out.finished_request_ids = self._finished_ids
         self._finished_ids = []
         return out

@@ -10,6 +10,8 @@ kvserve_kv_tier_bytes_total{tier,direction} counter bytes stored (in) / loaded (
 kvserve_kv_tier_load_seconds_total{tier}   counter  time spent loading blocks back
 kvserve_kv_tier_dropped_writes_total{tier} counter  stores dropped (writer busy or stopped)
 kvserve_kv_tier_failed_loads_total{tier}   counter  loads rejected (missing, corrupt)
+kvserve_kv_tier_in_step_stores_total{tier} counter  blocks stored inside a step (evictions
+                                                    outran the write-ahead beside the forward)
 kvserve_num_requests_loading               gauge    requests loading a prefix back
 """
 
@@ -35,6 +37,11 @@ _COUNTERS = (
     ("load_seconds", "Seconds spent loading blocks back from the tier.", "load_seconds_total"),
     ("dropped_writes", "Block stores dropped (writer busy or stopped).", "dropped_writes_total"),
     ("failed_loads", "Block loads rejected (missing, corrupt).", "failed_loads_total"),
+    (
+        "in_step_stores",
+        "Blocks stored into the tier inside a step instead of written ahead beside it.",
+        "in_step_stores_total",
+    ),
 )
 
 

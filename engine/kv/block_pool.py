@@ -188,6 +188,17 @@ class BlockPool:
         self.cached[block_hash] = block
         return True
 
+    def uncache(self, block_id: int, block_hash: BlockHash) -> None:
+        """Drop ``block_hash`` from the map if ``block_id`` still holds it (its contents
+        turned out to be invalid); the block keeps its place and references."""
+        block = self.blocks[block_id]
+        if block.block_hash != block_hash:
+            return
+        del self.cached[block_hash]
+        block.block_hash = None
+        if block.ref_count == 0:
+            self.num_cached_free -= 1
+
     def _evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None
         if self.on_evict is not None:

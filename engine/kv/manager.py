@@ -134,6 +134,14 @@ class KVCacheManager:
         self.tiers.plan_loads(request.request_id, found, new_ids)
         return True
 
+    def write_ahead(self, window: int) -> list[TierOp]:
+        """Host-tier copies of the cached blocks the next ``window`` allocations would
+        evict, to run beside this step's forward (engine/kv/tiers.py); [] without tiers."""
+        if self.tiers is None:
+            return []
+        self.tiers.write_ahead(self.device, window)
+        return self.tiers.take_writes_ahead()
+
     def persist_ops(self) -> list[TierOp]:
         """Tier stores that put every cached block on disk (for shutdown)."""
         if self.tiers is None:

@@ -6,14 +6,21 @@
 
 One interface, ``TieredPrefixCache``, for the KV manager:
 
-- ``demote(device_block, hash)``: the device pool is about to reuse a cached block; its
-  contents go down a tier (to the host tier, or to disk when there is no host tier).
-  The host tier is itself a ``BlockPool`` with an LRU free queue and a hash map, so its
-  own evictions demote to disk the same way.
+- ``write_ahead(device_pool, window)``: copy the cached device blocks next in line for
+  eviction to the host tier *before* they are evicted; the runner does these copies on a
+  writer thread beside the step's forward (``take_writes_ahead()``), so the eviction itself
+  is bookkeeping. Full cached blocks never change, and a cached-free block is in no block
+  table, so the forward cannot write it while it is read.
+- ``demote(device_block, hash)``: the device pool is about to reuse a cached block. Already
+  written ahead: the host copy becomes most recent, nothing moves. Otherwise (evictions
+  outran the write-ahead window, or there is no host tier) its contents are copied down in
+  the step, to the host tier or to disk. The host tier is itself a ``BlockPool`` with an
+  LRU free queue and a hash map, so its own evictions demote to disk the same way.
 - ``match(hashes)``: the leading run of ``hashes`` some tier holds (host first, then disk).
 - ``plan_loads(request_id, hits, device_blocks)``: copy those blocks back into freshly
   allocated device blocks.
 - ``take_ops()``: the step's moves, in order, for ``SchedulerOutput.tier_ops``.
+- ``forget_writes(ops)``: a write-ahead that failed; its host entries are dropped.
 
 It decides and never moves bytes: the runner applies the ops (engine/model/tier_io.py)
 and reports which loads succeeded. The host tier is its own pool, split from the swap
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Protocol
 
 from engine.kv.accounting import KVShape, bytes_per_block, disk_tier_blocks
@@ -65,6 +73,8 @@ class TierCounters:
     load_seconds: float = 0.0
     dropped_writes: int = 0
     failed_loads: int = 0
+    # Blocks stored into the tier inside a step (not written ahead beside the forward).
+    in_step_stores: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,10 @@ class TieredPrefixCache:
         if disk is not None:
             self.counters[DISK] = TierCounters()
         self._ops: list[TierOp] = []
+        self._writes_ahead: list[TierOp] = []
+        # Where a host eviction's disk store goes: the list of the copy that evicted it, so
+        # the store reads the host block before that copy overwrites it.
+        self._host_evictions = self._ops
 
     @property
     def enabled(self) -> bool:
@@ -104,16 +118,47 @@ class TieredPrefixCache:
             if held is not None:
                 self._refresh(held.block_id)
                 return
-            (host_block,) = self.host.allocate(1)  # may demote the LRU host block to disk
-            self.host.cache_block(host_block, block_hash)
-            self.host.free([host_block])
+            host_block = self._take_host_block(block_hash)
             self._ops.append(TierOp(DEVICE, device_block, HOST, host_block, block_hash))
         elif self.disk is not None and not self.disk.contains_or_pending(block_hash):
             self._ops.append(TierOp(DEVICE, device_block, DISK, -1, block_hash))
 
+    def write_ahead(self, device: BlockPool, window: int) -> None:
+        """Copy to the host tier the cached blocks among the first ``window`` of the device
+        free queue (the next ``window`` allocations evict from there) that it lacks.
+
+        Call after the step's allocations: a block still cached-free then is in no block
+        table, so neither this step's forward nor its other moves write it, and the copy
+        can run beside them. Each block is copied once while the host tier holds it. The
+        host blocks are registered now; ``take_writes_ahead`` hands out the copies.
+        """
+        if not self.host.num_blocks:
+            return
+        self._host_evictions = self._writes_ahead
+        try:
+            for block in islice(device.free_queue, window):
+                block_hash = block.block_hash
+                if block_hash is None or self.host.lookup(block_hash) is not None:
+                    continue
+                if not self.host.num_free:  # every host block pinned by a load
+                    break
+                host_block = self._take_host_block(block_hash)
+                self._writes_ahead.append(
+                    TierOp(DEVICE, block.block_id, HOST, host_block, block_hash)
+                )
+        finally:
+            self._host_evictions = self._ops
+
+    def _take_host_block(self, block_hash: BlockHash) -> int:
+        """A host block registered under ``block_hash``, cached-free at the LRU tail."""
+        (host_block,) = self.host.allocate(1)  # may demote the LRU host block to disk
+        self.host.cache_block(host_block, block_hash)
+        self.host.free([host_block])
+        return host_block
+
     def _demote_from_host(self, host_block: int, block_hash: BlockHash) -> None:
         if self.disk is not None and not self.disk.contains_or_pending(block_hash):
-            self._ops.append(TierOp(HOST, host_block, DISK, -1, block_hash))
+            self._host_evictions.append(TierOp(HOST, host_block, DISK, -1, block_hash))
 
     def _refresh(self, host_block: int) -> None:
         """Move a host block to the most-recently-used end of the host LRU."""
@@ -195,8 +240,23 @@ class TieredPrefixCache:
             )
 
     def take_ops(self) -> list[TierOp]:
+        """The moves to apply before the step's forward, in order."""
         ops, self._ops = self._ops, []
+        self._host_evictions = self._ops
         return ops
+
+    def take_writes_ahead(self) -> list[TierOp]:
+        """The write-ahead copies (and the disk stores of the host blocks they reuse), in
+        order, to run beside the step's forward and finish before the next step."""
+        ops, self._writes_ahead = self._writes_ahead, []
+        return ops
+
+    def forget_writes(self, ops: Sequence[TierOp]) -> None:
+        """Write-ahead copies that failed: the host blocks they were to fill hold nothing
+        usable, so their hashes are dropped (the device blocks are still cached)."""
+        for op in ops:
+            if op.target == HOST:
+                self.host.uncache(op.target_block, op.block_hash)
 
     # -- observation --------------------------------------------------------------------------
 
@@ -259,4 +319,5 @@ def _tier_stats(
         load_seconds_total=counters.load_seconds,
         dropped_writes_total=counters.dropped_writes + dropped_writes,
         failed_loads_total=counters.failed_loads,
+        in_step_stores_total=counters.in_step_stores,
     )

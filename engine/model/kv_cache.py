@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -117,7 +118,8 @@ class CopyStaging:
     pool's device and, when that is not the CPU, a pinned one on the host (so
     host-to-device copies are true asynchronous DMA, not a pageable temporary). Each holds
     ``chunk_blocks`` blocks of one layer's K (or V, or their scales); its size is
-    ``accounting.copy_staging_bytes`` and the capacity plan counts it.
+    ``accounting.copy_staging_bytes`` and the capacity plan counts it. The tier writer
+    thread shares the buffers with the step's own copies: ``lock`` is held for one chunk.
     """
 
     def __init__(
@@ -128,6 +130,7 @@ class CopyStaging:
     ):
         kv, block_size = layout.shape, layout.block_size
         self.chunk_blocks = accounting.copy_chunk_blocks(kv, block_size, staging_bytes)
+        self.lock = threading.Lock()
         nbytes = accounting.copy_staging_bytes(kv, block_size, staging_bytes)
         self._buffers = {device: torch.empty(nbytes, dtype=torch.uint8, device=device)}
         if device.type != "cpu":
@@ -171,9 +174,10 @@ def copy_blocks(
         part = pairs[start : start + chunk]
         src_ids = torch.tensor([p[0] for p in part], dtype=torch.long, device=src.key.device)
         dst_ids = torch.tensor([p[1] for p in part], dtype=torch.long, device=dst.key.device)
-        for src_tensor, dst_tensor in zip(src.tensors(), dst.tensors(), strict=True):
-            for layer in range(src_tensor.shape[0]):
-                _copy_chunk(src_tensor[layer], dst_tensor[layer], src_ids, dst_ids, staging)
+        with staging.lock:
+            for src_tensor, dst_tensor in zip(src.tensors(), dst.tensors(), strict=True):
+                for layer in range(src_tensor.shape[0]):
+                    _copy_chunk(src_tensor[layer], dst_tensor[layer], src_ids, dst_ids, staging)
 
 
 def _copy_chunk(

@@ -12,12 +12,18 @@ two of them write the same block (a small host tier can be refilled twice in one
   A load that fails (missing, corrupt) is reported: the scheduler recomputes from there.
 
 Returns, per loading request, how many of its (leading) blocks arrived intact.
+
+``TierIO.start_writes_ahead(ops)`` runs the step's write-ahead copies (device -> host, and
+the disk stores of the host blocks they reuse) on one writer thread while the forward
+runs; the core waits for them before the step returns, so the next step sees them done.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -25,6 +31,8 @@ from engine.kv.disk_store import DiskStore
 from engine.kv.tiers import DEVICE, DISK, HOST, TierCounters
 from engine.model.kv_cache import CopyStaging, KVPool, copy_blocks
 from engine.outputs import TierOp
+
+logger = logging.getLogger(__name__)
 
 
 class TierIO:
@@ -45,6 +53,7 @@ class TierIO:
         self.disk = disk
         self.counters = counters
         self.block_bytes = sum(t[:, :, 0].numel() * t.element_size() for t in device_pool.tensors())
+        self._writer: ThreadPoolExecutor | None = None  # started with the first write-ahead
 
     def apply(self, ops: list[TierOp], *, wait_for_disk: bool = False) -> dict[str, int]:
         """Execute ``ops`` in order; ``wait_for_disk`` blocks on a full write queue instead
@@ -64,16 +73,42 @@ class TierIO:
                     _note_load(op, ok, loaded, broken)
                     arrived.append(ok)
             else:
-                pairs = [(op.source_block, op.target_block) for op in group]
-                copy_blocks(self.pools[first.source], self.pools[first.target], pairs, self.staging)
+                self._copy(group)
                 arrived = [True] * len(group)
                 for op in group:
                     _note_load(op, True, loaded, broken)
+                if first.target != DEVICE:
+                    self.counters[first.target].in_step_stores += len(group)
             self._count_move(first, sum(arrived), time.perf_counter() - started)
         return loaded
 
+    def start_writes_ahead(self, ops: list[TierOp]) -> Future[None] | None:
+        """Run ``ops`` (tier stores only) in order on the writer thread; None when empty.
+        The caller waits on the future before the next step."""
+        if not ops:
+            return None
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tier-writer")
+        return self._writer.submit(self._write_ahead, ops)
+
+    def _write_ahead(self, ops: list[TierOp]) -> None:
+        for group in _groups(ops):
+            first = group[0]
+            assert not first.is_load, "a load among the writes ahead"
+            if first.target == DISK:
+                self._store_to_disk(group, wait=False)
+                continue
+            self._copy(group)
+            self._count_move(first, len(group), 0.0)
+
+    def _copy(self, group: list[TierOp]) -> None:
+        pairs = [(op.source_block, op.target_block) for op in group]
+        copy_blocks(self.pools[group[0].source], self.pools[group[0].target], pairs, self.staging)
+
     def close(self) -> None:
-        """Let queued disk writes finish (bounded) and stop the writer."""
+        """Stop the writer thread, let queued disk writes finish (bounded), stop those."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
         if self.disk is not None:
             self.disk.close()
 

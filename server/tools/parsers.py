@@ -189,9 +189,10 @@ class Llama3JsonParser:
             if found is None or isinstance(value, list):
                 return None
             calls += found
-            pos = _skip_separator(body, pos)
-            if pos is None:
+            next_pos = _skip_separator(body, pos)
+            if next_pos is None:
                 return None
+            pos = next_pos
         return calls or None
 
 

@@ -161,6 +161,82 @@ def test_host_tier_serves_an_evicted_prefix_with_the_same_bytes_and_tokens(
         assert kv.device.lookup(block_hash) is not None
 
 
+def run_beside_a_decode(recorder: Recorder, prompt: list[int]) -> None:
+    """Run ``prompt`` while a second request decodes, and step once after it finishes: the
+    engine keeps stepping, as a busy server does, so its freed blocks can be written ahead."""
+    core = recorder.core
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    longer = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    core.add_request([Request("first", list(prompt), params)])
+    core.add_request([Request("beside", prompts(9, 1)[0][:64], longer)])
+    steps_after = 0
+    while steps_after < 2:
+        finished = any(d.finished for d in core.step())
+        core.scheduler.check_integrity()
+        recorder._record_and_verify()  # every host block holds what the device computed
+        if finished or steps_after:
+            steps_after += 1
+    assert core.has_unfinished(), "the second request still decodes"
+    while core.has_unfinished():
+        core.step()
+
+
+def test_cached_blocks_are_written_ahead_beside_the_forward_not_at_eviction(
+    tiny_model_dir: Path, reference: Any
+) -> None:
+    core = build_engine(engine_args(tiny_model_dir, kv_cache_host_gib=host_gib(64))).core
+    recorder = Recorder(core)
+    first = prompts(10, 1)[0]
+    kv = core.scheduler.kv
+    assert kv.tiers is not None
+    hashes = full_block_hashes(first)
+
+    run_beside_a_decode(recorder, first)
+
+    # On host while still cached on the device: copied before any eviction, by the writer.
+    assert all(kv.device.lookup(h) is not None for h in hashes)
+    assert all(kv.tiers.host.lookup(h) is not None for h in hashes)
+    host = tier(core, "host")
+    assert host.in_step_stores_total == 0
+    assert host.stored_bytes_total >= len(hashes) * BLOCK_BYTES
+
+    # Evicted later by other prompts, the prefix comes back from host.
+    recorder.run(prompts(11, 1)[0])
+    recorder.run(prompts(12, 1)[0])
+    assert any(kv.device.lookup(h) is None for h in hashes), "the fillers evicted some"
+    second = first + prompts(13, 1)[0][:20]
+    tokens, cached = recorder.run(second)
+    assert cached >= len(hashes) * BLOCK
+    assert tokens == reference(second)
+
+
+def test_a_failed_write_ahead_costs_only_its_cached_copies(
+    tiny_model_dir: Path, reference: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    core = build_engine(engine_args(tiny_model_dir, kv_cache_host_gib=host_gib(64))).core
+    recorder = Recorder(core)
+
+    def broken(ops: Any) -> None:
+        raise RuntimeError("injected: the host pool copy failed")
+
+    core.tier_io._write_ahead = broken
+    first = prompts(14, 1)[0]
+    kv = core.scheduler.kv
+    assert kv.tiers is not None
+    with caplog.at_level(logging.ERROR, logger="engine.core"):
+        run_beside_a_decode(recorder, first)
+    assert "tier write-ahead failed" in caplog.text
+    hashes = full_block_hashes(first)
+    assert all(kv.tiers.host.lookup(h) is None for h in hashes), "nothing half-copied is served"
+    kv.tiers.check_integrity()
+
+    # The engine goes on; an eviction now copies in the step, and the tokens are right.
+    evict_with_fillers(recorder, seed=15)
+    second = first + prompts(16, 1)[0][:20]
+    tokens, _ = recorder.run(second)
+    assert tokens == reference(second)
+
+
 def test_a_small_host_tier_never_serves_an_overwritten_block(
     tiny_model_dir: Path, reference: Any
 ) -> None:

@@ -111,6 +111,78 @@ def test_manager_demotes_evicted_device_blocks_through_the_pool_hook() -> None:
     assert (op.source, op.source_block, op.target, op.block_hash) == ("device", block, "host", h(9))
 
 
+def cached_free_device_blocks(kv: KVCacheManager, hashes: list[bytes]) -> list[int]:
+    """Allocate, register and free one device block per hash (tail-first, like a table)."""
+    blocks = kv.device.allocate(len(hashes))
+    for block, block_hash in zip(blocks, hashes, strict=True):
+        kv.device.cache_block(block, block_hash)
+    kv.device.free(reversed(blocks))
+    return blocks
+
+
+def test_write_ahead_copies_the_cached_blocks_next_in_line_once() -> None:
+    kv = KVCacheManager(CacheConfig(num_device_blocks=8, block_size=4, watermark=0.0))
+    tiers = TieredPrefixCache(num_host_blocks=4)
+    kv.attach_tiers(tiers)
+    blocks = cached_free_device_blocks(kv, [h(1), h(2), h(3)])
+    # Free queue: 5 plain-free blocks, then the cached ones, last block of the table first.
+    assert kv.write_ahead(window=5) == [], "nothing cached within the first 5"
+    ops = kv.write_ahead(window=7)
+    assert [(op.source, op.source_block, op.target, op.block_hash) for op in ops] == [
+        ("device", blocks[2], "host", h(3)),
+        ("device", blocks[1], "host", h(2)),
+    ]
+    assert kv.write_ahead(window=8) == [
+        TierOp("device", blocks[0], "host", ops[-1].target_block + 1, h(1))
+    ], "h3 and h2 are on host already: only h1 is copied"
+    # Evicting written-ahead blocks moves nothing inside the step.
+    kv.device.allocate(8)
+    assert tiers.take_ops() == []
+    assert all(tiers.host.lookup(x) is not None for x in (h(1), h(2), h(3)))
+    tiers.check_integrity()
+
+
+def test_a_block_evicted_before_its_write_ahead_is_copied_in_the_step() -> None:
+    kv = KVCacheManager(CacheConfig(num_device_blocks=2, block_size=4, watermark=0.0))
+    tiers = TieredPrefixCache(num_host_blocks=4)
+    kv.attach_tiers(tiers)
+    (block,) = cached_free_device_blocks(kv, [h(7)])
+    kv.device.allocate(2)  # freed and evicted between two write-aheads
+    (op,) = tiers.take_ops()
+    assert (op.source, op.source_block, op.target) == ("device", block, "host")
+
+
+def test_a_host_eviction_by_a_write_ahead_is_stored_to_disk_before_the_copy(
+    tmp_path: Path,
+) -> None:
+    tiers = TieredPrefixCache(num_host_blocks=1, disk=store(tmp_path))
+    kv = KVCacheManager(CacheConfig(num_device_blocks=4, block_size=4, watermark=0.0))
+    kv.attach_tiers(tiers)
+    cached_free_device_blocks(kv, [h(1)])
+    first = kv.write_ahead(window=4)
+    cached_free_device_blocks(kv, [h(2)])  # reuses a plain-free block; h1 stays cached
+    ops = kv.write_ahead(window=4)
+    kinds = [(op.source, op.target, op.block_hash) for op in ops]
+    assert kinds == [("host", "disk", h(1)), ("device", "host", h(2))]
+    assert ops[0].source_block == ops[1].target_block == first[0].target_block
+    assert tiers.take_ops() == [], "nothing of it runs inside the step"
+
+
+def test_forget_writes_drops_the_host_entries_of_a_failed_write_ahead() -> None:
+    kv = KVCacheManager(CacheConfig(num_device_blocks=4, block_size=4, watermark=0.0))
+    tiers = TieredPrefixCache(num_host_blocks=4)
+    kv.attach_tiers(tiers)
+    cached_free_device_blocks(kv, [h(1), h(2)])
+    ops = kv.write_ahead(window=4)
+    assert tiers.match([h(2), h(1)]) != []
+    tiers.forget_writes(ops)
+    assert tiers.match([h(1)]) == [] and tiers.match([h(2)]) == []
+    assert kv.device.lookup(h(1)) is not None, "the device copies stay cached"
+    tiers.check_integrity()
+    # The next write-ahead copies them again.
+    assert len(kv.write_ahead(window=4)) == 2
+
+
 def test_tier_accounting_is_single_sourced() -> None:
     shape = KVShape(2, 2, 8, "float32")
     per_block = 2 * 2 * 2 * 8 * 4 * 4  # K+V, layers, heads, head_dim, fp32, 4 tokens
