@@ -2,7 +2,8 @@
 # Tiered prefix cache under a long-conversation load: tiers off / host / host + disk,
 # back to back, same seed and load. Device pool ~1/4 of the live histories.
 #   MODEL=DIR_OR_GGUF bench/tiers_loadtest.sh [OUT_DIR]   (default bench/results/tiers;
-#   MODEL unset: the embedded SmolLM2; HOST_GIB / SMALL_HOST_GIB size the host tier)
+#   MODEL unset: the embedded SmolLM2; HOST_GIB / SMALL_HOST_GIB size the host tier;
+#   RUN="host" runs only the listed settings)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-/work/main/.venv/bin/python}
@@ -22,7 +23,7 @@ declare -A TIERS=(
   [host-disk]="--kv-cache-host-size ${SMALL_HOST_GIB:-0.25} --kv-cache-disk-dir $DISK --kv-cache-disk-size 2"
 )
 { lscpu | grep 'Model name'; grep -o -w -E 'avx2|avx512_bf16|avx512_vnni' /proc/cpuinfo | sort -u | tr '\n' ' '; echo; } > "$OUT/machine.txt"
-for name in off host host-disk; do
+for name in ${RUN:-off host host-disk}; do
   echo "== $name: load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/machine.txt"
   # shellcheck disable=SC2086
   nice -n 10 "$PY" -m server.cli serve "${COMMON[@]}" ${TIERS[$name]} --log-level info \

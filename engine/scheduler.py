@@ -51,6 +51,8 @@ from engine.outputs import (
 from engine.request import Request, RequestStatus
 from engine.step_cost import StepCost, prefill_token_budget
 
+WRITE_AHEAD_STEPS = 4
+
 # How many queued requests one step looks at beyond the free sequence slots (the ones
 # ahead may not fit): bounds the host work per step whatever the queue length.
 ADMISSION_LOOKAHEAD = 16
@@ -93,10 +95,11 @@ class Scheduler:
         self.kv_shape = kv_shape
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(cache_config)
-        # The most blocks one step allocates short of a tier load: its token budget plus a
-        # new block per running sequence. Cached blocks that close to the head of the free
-        # queue are copied to the host tier ahead of their eviction.
-        self._write_ahead_window = (
+        # Cached blocks this close to the head of the free queue are copied to the host
+        # tier ahead of their eviction: what WRITE_AHEAD_STEPS steps allocate at most,
+        # short of tier loads (a token budget plus a new block per running sequence each).
+        # Loads come in bursts (a whole history at once), hence more than one step.
+        self._write_ahead_window = WRITE_AHEAD_STEPS * (
             blocks_for_tokens(scheduler_config.max_num_batched_tokens, self.block_size)
             + scheduler_config.max_num_seqs
         )

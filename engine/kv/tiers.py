@@ -101,6 +101,10 @@ class TieredPrefixCache:
             self.counters[DISK] = TierCounters()
         self._ops: list[TierOp] = []
         self._writes_ahead: list[TierOp] = []
+        # Write-through (``note_registered``): device blocks registered since the last
+        # write-ahead, copied by the next one.
+        self.write_through = False
+        self._registered: list[tuple[int, BlockHash]] = []
         # Where a host eviction's disk store goes: the list of the copy that evicted it, so
         # the store reads the host block before that copy overwrites it.
         self._host_evictions = self._ops
@@ -123,29 +127,45 @@ class TieredPrefixCache:
         elif self.disk is not None and not self.disk.contains_or_pending(block_hash):
             self._ops.append(TierOp(DEVICE, device_block, DISK, -1, block_hash))
 
-    def write_ahead(self, device: BlockPool, window: int) -> None:
-        """Copy to the host tier the cached blocks among the first ``window`` of the device
-        free queue (the next ``window`` allocations evict from there) that it lacks.
+    def note_registered(self, device_block: int, block_hash: BlockHash) -> None:
+        """A device block was just registered in the prefix cache (its tokens computed);
+        with ``write_through`` the next ``write_ahead`` copies it to the host tier."""
+        if self.write_through:
+            self._registered.append((device_block, block_hash))
 
-        Call after the step's allocations: a block still cached-free then is in no block
-        table, so neither this step's forward nor its other moves write it, and the copy
-        can run beside them. Each block is copied once while the host tier holds it. The
-        host blocks are registered now; ``take_writes_ahead`` hands out the copies.
+    def write_ahead(self, device: BlockPool, window: int) -> None:
+        """Copy to the host tier, beside the step's forward, the device blocks it lacks
+        among: the cached blocks in the first ``window`` of the device free queue (the
+        next allocations evict from there), and with ``write_through`` every block
+        registered since the last call.
+
+        Call after the step's allocations. A registered block is full and the forward
+        only writes past a sequence's computed tokens; a cached-free one is in no block
+        table: nothing in the step writes either, so the copies can run beside it. Each
+        block is copied once while the host tier holds it. The host blocks are registered
+        now; ``take_writes_ahead`` hands out the copies.
         """
+        registered, self._registered = self._registered, []
         if not self.host.num_blocks:
             return
+        # Registered blocks evicted since (their hash changed) are skipped below.
+        candidates = list(registered)
+        candidates += [
+            (block.block_id, block.block_hash)
+            for block in islice(device.free_queue, window)
+            if block.block_hash is not None
+        ]
         self._host_evictions = self._writes_ahead
         try:
-            for block in islice(device.free_queue, window):
-                block_hash = block.block_hash
-                if block_hash is None or self.host.lookup(block_hash) is not None:
+            for block_id, block_hash in candidates:
+                if device.blocks[block_id].block_hash != block_hash:
+                    continue
+                if self.host.lookup(block_hash) is not None:
                     continue
                 if not self.host.num_free:  # every host block pinned by a load
                     break
                 host_block = self._take_host_block(block_hash)
-                self._writes_ahead.append(
-                    TierOp(DEVICE, block.block_id, HOST, host_block, block_hash)
-                )
+                self._writes_ahead.append(TierOp(DEVICE, block_id, HOST, host_block, block_hash))
         finally:
             self._host_evictions = self._ops
 

@@ -210,6 +210,33 @@ def test_cached_blocks_are_written_ahead_beside_the_forward_not_at_eviction(
     assert tokens == reference(second)
 
 
+def test_a_large_host_tier_gets_each_block_as_it_is_computed(
+    tiny_model_dir: Path, reference: Any
+) -> None:
+    # 128 host blocks, over twice the 40-block device pool: write-through.
+    core = build_engine(engine_args(tiny_model_dir, kv_cache_host_gib=host_gib(128))).core
+    recorder = Recorder(core)
+    kv = core.scheduler.kv
+    assert kv.tiers is not None and kv.tiers.write_through
+    first = prompts(17, 1)[0]
+    hashes = full_block_hashes(first)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    core.add_request([Request("first", list(first), params)])
+    core.step()  # the prompt's prefill registers its full blocks
+    core.step()  # ... which the next step's writer copies beside its forward
+    recorder._record_and_verify()
+    assert core.has_unfinished(), "the request is still running"
+    assert all(kv.tiers.host.lookup(h) is not None for h in hashes)
+    while core.has_unfinished():
+        core.step()
+    evict_with_fillers(recorder, seed=18)
+    assert tier(core, "host").in_step_stores_total == 0, "nothing was left for the eviction"
+    second = first + prompts(19, 1)[0][:20]
+    tokens, cached = recorder.run(second)
+    assert cached >= len(hashes) * BLOCK
+    assert tokens == reference(second)
+
+
 def test_a_failed_write_ahead_costs_only_its_cached_copies(
     tiny_model_dir: Path, reference: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -168,6 +168,35 @@ def test_a_host_eviction_by_a_write_ahead_is_stored_to_disk_before_the_copy(
     assert tiers.take_ops() == [], "nothing of it runs inside the step"
 
 
+def test_write_through_copies_each_registered_block_once_while_it_is_in_use() -> None:
+    kv = KVCacheManager(CacheConfig(num_device_blocks=4, block_size=4, watermark=0.0))
+    tiers = TieredPrefixCache(num_host_blocks=8)
+    kv.attach_tiers(tiers)
+    assert tiers.write_through, "a host tier twice the device pool writes through"
+    held, evicted = kv.device.allocate(2)
+    for block, block_hash in ((held, h(1)), (evicted, h(2))):
+        kv.device.cache_block(block, block_hash)
+        tiers.note_registered(block, block_hash)
+    kv.device.free([evicted])
+    kv.device.allocate(3)  # evicts h2 before any write-ahead: copied in the step
+    assert [op.block_hash for op in tiers.take_ops()] == [h(2)]
+    (op,) = kv.write_ahead(window=0)  # h2's block holds something else now: skipped
+    assert (op.source_block, op.target, op.block_hash) == (held, "host", h(1))
+    assert kv.device.ref_count(held) == 1, "copied while still in use"
+    tiers.note_registered(held, h(1))
+    assert kv.write_ahead(window=0) == [], "once"
+
+
+def test_a_host_tier_under_twice_the_device_pool_does_not_write_through() -> None:
+    kv = KVCacheManager(CacheConfig(num_device_blocks=4, block_size=4, watermark=0.0))
+    tiers = TieredPrefixCache(num_host_blocks=7)
+    kv.attach_tiers(tiers)
+    (block,) = kv.device.allocate(1)
+    kv.device.cache_block(block, h(1))
+    tiers.note_registered(block, h(1))
+    assert not tiers.write_through and kv.write_ahead(window=4) == []
+
+
 def test_forget_writes_drops_the_host_entries_of_a_failed_write_ahead() -> None:
     kv = KVCacheManager(CacheConfig(num_device_blocks=4, block_size=4, watermark=0.0))
     tiers = TieredPrefixCache(num_host_blocks=4)
