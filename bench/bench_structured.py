@@ -8,9 +8,11 @@ to ``max_tokens`` exactly like the unconstrained ones (``ignore_eos``): both loa
 same batches and token counts, and the only difference is the grammar work. On a shared
 machine wall time is mostly other tenants, so tokens per CPU-second of this process (all
 its threads) are reported beside tokens per second. Mask work per
-step is the time in ``GrammarDecoding.mask`` (sync + fill + one apply) plus ``accept``,
-measured around those calls. Compile times: a fresh compiler per cold compile (median of
-3), then the cached lookup (median of 1000).
+step is the time the engine thread spends in ``GrammarDecoding.mask`` (sync, the fills
+that were not ready, one apply) plus ``accept``, measured around those calls; the
+next-token masks filled ahead on the worker thread (beside the rest of the step) are
+timed there and reported apart, with how many rows were ready in time. Compile times: a
+fresh compiler per cold compile (median of 3), then the cached lookup (median of 1000).
 
     .venv/bin/python bench/bench_structured.py --out bench/results/structured
 """
@@ -23,6 +25,7 @@ import os
 import platform
 import statistics
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -78,6 +81,17 @@ class StepTimer:
 
         decoding.mask = timed_mask  # type: ignore[method-assign]
         decoding.accept = timed_accept  # type: ignore[method-assign]
+        self.ahead: list[tuple[int, float]] = []  # (rows, seconds) of fills on the worker
+        fill = decoding._fill
+
+        def timed_fill(states: Any) -> None:
+            start = time.perf_counter()
+            fill(states)
+            if threading.current_thread() is not threading.main_thread():
+                self.ahead.append((len(states), time.perf_counter() - start))
+
+        decoding._fill = timed_fill  # type: ignore[method-assign]
+        self.decoding = decoding
 
 
 def run_load(
@@ -221,6 +235,12 @@ def main() -> None:
             f"mask work at {rows} constrained rows: median {value['median_ms']:.3f} ms/step "
             f"({value['steps']} steps)"
         )
+    for rows, value in results["fill_ahead_ms_by_rows"].items():
+        print(f"filled ahead on the worker, {rows} rows: median {value['median_ms']:.3f} ms")
+    print(
+        f"rows whose mask was ready: {results['rows_filled_ahead']}, "
+        f"filled in the step: {results['rows_filled_late']}"
+    )
     print(json.dumps(info))
 
 
@@ -255,6 +275,13 @@ def summarise(
         values = [s * 1e3 for r, s in timer.samples if r == rows]
         mask_ms[str(rows)] = {"median_ms": statistics.median(values), "steps": len(values)}
     results["mask_ms_per_step_by_rows"] = mask_ms
+    ahead_ms = {}
+    for rows in sorted({r for r, _ in timer.ahead}):
+        values = [s * 1e3 for r, s in timer.ahead if r == rows]
+        ahead_ms[str(rows)] = {"median_ms": statistics.median(values), "fills": len(values)}
+    results["fill_ahead_ms_by_rows"] = ahead_ms
+    results["rows_filled_ahead"] = timer.decoding.rows_filled_ahead
+    results["rows_filled_late"] = timer.decoding.rows_filled_late
     results["machine"]["loadavg_end"] = os.getloadavg()
 
 

@@ -4,11 +4,20 @@ Each constrained sequence has a ``GrammarMatcher`` keyed by its request id (like
 sampling generator), dropped when the request leaves the engine. A step does:
 
     mask(logits, rows)   sync every constrained row's matcher to the row's output tokens,
-                         fill one int32 bitmask [rows, ceil(vocab/32)] (xgrammar, one call
-                         for the batch), then set the disallowed logits of all constrained
-                         rows to -inf in ONE native call
+                         gather its next-token bitmask row (filled ahead, below; filled now
+                         when that is stale), then set the disallowed logits of all
+                         constrained rows to -inf in ONE native call
     accept(rows, tokens) advance the matchers by the sampled tokens; return the requests
-                         whose grammar is now complete (they finish with STOP)
+                         whose grammar is now complete (they finish with STOP); then start
+                         filling the next bitmasks on a worker thread
+
+Filling ahead: the next step's masks depend only on the tokens just accepted, so one
+worker thread fills them (one xgrammar call, which releases the GIL) while the engine
+thread finishes this step, schedules the next and runs its forward; by the next ``mask``
+the rows are ready. Each sequence owns a row ("slot") of one bitmask tensor, and a fill is
+used only if the sequence's grammar history has not changed since (a version number).
+Every method waits for the worker before it touches a matcher: the matchers are not
+thread-safe, and the worker uses them only between ``accept`` and the next call here.
 
 The matcher follows the sequence's ``output_token_ids``, which only the scheduler
 appends to; ``mask`` reconciles it first (accepting tokens it has not seen, rolling back
@@ -24,9 +33,11 @@ row list.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import queue
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import xgrammar as xgr
@@ -53,10 +64,14 @@ class ConstrainedRow(Protocol):
 
 @dataclass
 class _SequenceGrammar:
-    """One sequence's matcher and the output tokens it has accepted, in order."""
+    """One sequence's matcher, the output tokens it has accepted (in order), its row of
+    the bitmask tensor, and the history version that row was last filled for."""
 
     matcher: xgr.GrammarMatcher
+    slot: int
     accepted: list[int] = field(default_factory=list)
+    version: int = 0  # bumped by every change of the matcher's history
+    filled_version: int = -1  # the version the slot's mask belongs to
 
     def sync(self, output_token_ids: list[int]) -> None:
         """Make the matcher's history equal ``output_token_ids``."""
@@ -66,10 +81,21 @@ class _SequenceGrammar:
             keep = _common_prefix(accepted, output)
             self.matcher.rollback(n - keep)
             del accepted[keep:]
+            self.version += 1
         for token in output[len(accepted) :]:
             if not self.matcher.accept_token(token):
                 raise RuntimeError(f"the grammar rejects output token {token} it masked for")
             accepted.append(token)
+            self.version += 1
+
+    def accepted_token(self, token: int) -> None:
+        """Record a token the matcher has just accepted."""
+        self.accepted.append(token)
+        self.version += 1
+
+    @property
+    def mask_is_current(self) -> bool:
+        return self.filled_version == self.version
 
 
 class GrammarDecoding:
@@ -79,13 +105,16 @@ class GrammarDecoding:
         self.compiler = compiler
         self.vocab_size = compiler.vocab_size
         self._sequences: dict[str, _SequenceGrammar] = {}
-        self._bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        self._slots = xgr.allocate_token_bitmask(8, self.vocab_size)  # one row per sequence
+        self._free_slots = list(range(8))[::-1]
         self._scratch = xgr.allocate_token_bitmask(1, self.vocab_size)
-        # The rows are filled in turn: at ~20 us a row, xgrammar's worker threads cost more
-        # than they save (measured on two cores), and so does filling ahead on a worker
-        # while the next forward runs (it takes a core from the forward).
+        # One xgrammar call fills a batch's rows in turn: at ~20 us a row, its own worker
+        # threads cost more than they save (measured on two cores).
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         self._stop_only = _stop_only_row(compiler.stop_token_ids, self.vocab_size)
+        self._filler: _Worker | None = None  # started by the first accept
+        self.rows_filled_ahead = 0  # rows whose mask was ready when ``mask`` needed it
+        self.rows_filled_late = 0  # rows filled inside ``mask`` (new, or history changed)
 
     @property
     def num_sequences(self) -> int:
@@ -94,8 +123,11 @@ class GrammarDecoding:
 
     def forget(self, request_ids: Sequence[str]) -> None:
         """Drop the state of requests that left the engine."""
+        self._wait_for_filler()
         for request_id in request_ids:
-            self._sequences.pop(request_id, None)
+            state = self._sequences.pop(request_id, None)
+            if state is not None:
+                self._free_slots.append(state.slot)
 
     def mask(self, logits: torch.Tensor, rows: Sequence[ConstrainedRow]) -> int:
         """Set the logits the grammars disallow to -inf, in place, for all constrained rows
@@ -103,15 +135,18 @@ class GrammarDecoding:
         constrained = [i for i, row in enumerate(rows) if row.params.structured_outputs]
         if not constrained:
             return 0
-        bitmask = self._bitmask_for(len(rows))
-        matchers = []
+        self._wait_for_filler()
+        states = []
         for i in constrained:
             state = self._state(rows[i])
             state.sync(rows[i].output_token_ids)
-            matchers.append(state.matcher)
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=constrained)
+            states.append(state)
+        stale = [state for state in states if not state.mask_is_current]
+        self._fill(stale)
+        self.rows_filled_ahead += len(states) - len(stale)
+        self.rows_filled_late += len(stale)
         vocab = min(self.vocab_size, logits.shape[-1])
-        apply_bitmask(logits, bitmask, constrained, vocab)
+        apply_bitmask(logits, self._slots, constrained, [s.slot for s in states], vocab)
         return len(constrained)
 
     def accept(self, rows: Sequence[ConstrainedRow], token_ids: Sequence[int]) -> set[str]:
@@ -122,20 +157,48 @@ class GrammarDecoding:
             for row, token in zip(rows, token_ids, strict=True)
             if row.params.structured_outputs
         ]
-        matchers = [state.matcher for _, state, _ in picked]
-        accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, [t for *_, t in picked])
+        self._wait_for_filler()
         completed: set[str] = set()
-        for (request_id, state, token), ok in zip(picked, accepted, strict=True):
-            if not ok:
+        going_on = []
+        for request_id, state, token in picked:
+            # One call per row: cheaper than xgrammar's batch accept at these batch sizes.
+            if not state.matcher.accept_token(token):
                 # Only reachable if the mask was not applied: end the sequence rather
                 # than let it run on outside the grammar.
                 logger.error("%s sampled token %d outside its grammar", request_id, token)
                 completed.add(request_id)
                 continue
-            state.accepted.append(token)
+            state.accepted_token(token)
             if self._is_complete(state.matcher):
                 completed.add(request_id)
+            else:
+                going_on.append(state)
+        self._start_filling(going_on)
         return completed
+
+    def _fill(self, states: list[_SequenceGrammar]) -> None:
+        """Fill the states' slots for their current history (one xgrammar call)."""
+        if not states:
+            return
+        matchers = [state.matcher for state in states]
+        indices = [state.slot for state in states]
+        self._batch.batch_fill_next_token_bitmask(matchers, self._slots, indices=indices)
+        for state in states:
+            state.filled_version = state.version
+
+    def _start_filling(self, states: list[_SequenceGrammar]) -> None:
+        if not states:
+            return
+        if self._filler is None:
+            self._filler = _Worker(self._fill, "kvserve-grammar-fill")
+        self._filler.start(states)
+
+    def _wait_for_filler(self) -> None:
+        """Let the worker finish with the matchers; a failed fill only leaves its rows
+        stale (``mask`` fills them again and raises if the grammar really is broken)."""
+        error = self._filler.wait() if self._filler is not None else None
+        if error is not None:
+            logger.error("filling grammar masks ahead failed (%s); refilling in the step", error)
 
     def _state(self, row: ConstrainedRow) -> _SequenceGrammar:
         state = self._sequences.get(row.request_id)
@@ -144,9 +207,19 @@ class GrammarDecoding:
             assert spec is not None
             # A cache hit when the server compiled the spec before submitting.
             compiled = self.compiler.compile(spec)
-            state = _SequenceGrammar(xgr.GrammarMatcher(compiled.grammar))
+            state = _SequenceGrammar(xgr.GrammarMatcher(compiled.grammar), self._take_slot())
             self._sequences[row.request_id] = state
         return state
+
+    def _take_slot(self) -> int:
+        """A free row of the slot tensor, doubling it when none is left (only while no
+        fill runs: every caller has waited for the worker)."""
+        if not self._free_slots:
+            old = self._slots
+            self._slots = xgr.allocate_token_bitmask(2 * old.shape[0], self.vocab_size)
+            self._slots[: old.shape[0]] = old
+            self._free_slots = list(range(2 * old.shape[0] - 1, old.shape[0] - 1, -1))
+        return self._free_slots.pop()
 
     def _is_complete(self, matcher: xgr.GrammarMatcher) -> bool:
         """Terminated (it accepted a stop token), or complete with only stop tokens left:
@@ -158,24 +231,58 @@ class GrammarDecoding:
         matcher.fill_next_token_bitmask(self._scratch, 0)
         return torch.equal(self._scratch[0], self._stop_only)
 
-    def _bitmask_for(self, num_rows: int) -> torch.Tensor:
-        if self._bitmask.shape[0] < num_rows:
-            self._bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
-        return self._bitmask
-
 
 def apply_bitmask(
-    logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int
+    logits: torch.Tensor,
+    bitmask: torch.Tensor,
+    rows: list[int],
+    mask_rows: list[int],
+    vocab_size: int,
 ) -> None:
-    """Set ``logits[r, t]`` to -inf wherever ``bitmask[r]`` disallows ``t``, for all ``rows``
-    in one call: the native CPU kernel for float32 logits (one vector blend per 32 tokens,
-    ~20x faster than xgrammar's per-token CPU loop on JSON masks), xgrammar's otherwise."""
+    """Set ``logits[rows[i], t]`` to -inf wherever ``bitmask[mask_rows[i]]`` disallows
+    ``t``, for all rows in one call: the native CPU kernel for float32 logits (one vector
+    blend per 32 tokens, ~20x faster than xgrammar's per-token CPU loop on JSON masks),
+    xgrammar's otherwise (after gathering the mask rows into logits order)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and load_native_ops():
-        torch.ops.kvserve.apply_token_bitmask_(logits, bitmask, rows, vocab_size)
+        torch.ops.kvserve.apply_token_bitmask_(logits, bitmask, rows, mask_rows, vocab_size)
         return
-    if bitmask.device != logits.device:
-        bitmask = bitmask.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
+    gathered = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=bitmask.dtype)
+    gathered[rows] = bitmask[mask_rows]
+    gathered = gathered.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, gathered, vocab_size=vocab_size, indices=rows)
+
+
+class _Worker:
+    """One daemon thread that runs ``job(arg)`` for each ``start(arg)``; ``wait()`` returns
+    once the last job is done, with its exception or None. Lighter than an executor's
+    futures on a path taken every step."""
+
+    def __init__(self, job: Callable[[Any], None], name: str) -> None:
+        self._job = job
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def start(self, arg: Any) -> None:
+        self._idle.clear()
+        self._jobs.put(arg)
+
+    def wait(self) -> BaseException | None:
+        self._idle.wait()
+        error, self._error = self._error, None
+        return error
+
+    def _run(self) -> None:
+        while True:
+            arg = self._jobs.get()
+            try:
+                self._job(arg)
+            except BaseException as exc:  # handed to the engine thread by wait()
+                self._error = exc
+            finally:
+                self._idle.set()
 
 
 def _stop_only_row(stop_token_ids: Sequence[int], vocab_size: int) -> torch.Tensor:

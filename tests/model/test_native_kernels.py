@@ -279,7 +279,8 @@ def test_int8_linear_matches_dequantized_weights(native, rows, in_features):
 @pytest.mark.parametrize("vocab", [64, 100, 49152])  # 100: a partial last bitmask word
 def test_token_bitmask_matches_xgrammars_kernel(native, vocab):
     """Structured outputs' mask: the native kernel blocks exactly what xgrammar's does, on
-    random words, all-allowed words (skipped) and all-blocked ones, in the chosen rows only."""
+    random words, all-allowed words (skipped) and all-blocked ones, in the chosen rows only,
+    reading each row's mask from the row it names."""
     import xgrammar
 
     torch.manual_seed(vocab)
@@ -288,9 +289,16 @@ def test_token_bitmask_matches_xgrammars_kernel(native, vocab):
     bitmask[1, ::2] = -1
     bitmask[2, 1::3] = 0
     logits = torch.randn(6, vocab + 5)  # wider than the vocabulary, as a padded head is
+    original = logits.clone()
     expected = logits.clone()
     rows = [0, 1, 2, 4]
     xgrammar.apply_token_bitmask_inplace(expected, bitmask, vocab_size=vocab, indices=rows)
-    torch.ops.kvserve.apply_token_bitmask_(logits, bitmask, rows, vocab)
+    torch.ops.kvserve.apply_token_bitmask_(logits, bitmask, rows, rows, vocab)
     assert torch.equal(logits, expected)
+    # Masks kept elsewhere (one row per sequence): row r of the logits takes mask row 5 - r.
+    shuffled = original.clone()
+    torch.ops.kvserve.apply_token_bitmask_(
+        shuffled, bitmask.flip(0), rows, [5 - r for r in rows], vocab
+    )
+    assert torch.equal(shuffled, logits)
     assert torch.isinf(logits[0, :vocab]).any() and not torch.isinf(logits[3]).any()

@@ -351,9 +351,11 @@ def test_one_mask_op_per_step_for_eight_constrained_rows(tiny, compiler, eos, mo
     calls: list[int] = []
     real_apply = decoding_module.apply_bitmask
 
-    def counting_apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab: int):
+    def counting_apply(
+        logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], masks: list[int], vocab: int
+    ) -> None:
         calls.append(len(rows))
-        real_apply(logits, bitmask, rows, vocab)
+        real_apply(logits, bitmask, rows, masks, vocab)
 
     monkeypatch.setattr(decoding_module, "apply_bitmask", counting_apply)
     core = core_for(tiny, compiler, eos)
@@ -395,6 +397,55 @@ def test_mask_touches_only_constrained_rows_and_leaves_the_allowed_logits(
     assert torch.equal(logits[1, allowed], original[1, allowed])
     json_allowed = torch.isfinite(logits[3]).nonzero().flatten().tolist()
     assert all(smollm_tokenizer.decode([t]).lstrip().startswith("{") for t in json_allowed)
+
+
+def allowed_after(compiler: GrammarCompiler, spec: StructuredOutputs, history: list[int]) -> Any:
+    """The tokens a fresh matcher allows after ``history``: the mask a fill in the step
+    would give."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiler.compile(spec).grammar)
+    for token in history:
+        assert matcher.accept_token(token)
+    bitmask = xgr.allocate_token_bitmask(1, compiler.vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    logits = torch.zeros(1, compiler.vocab_size)
+    xgr.apply_token_bitmask_inplace(logits, bitmask)
+    return torch.isfinite(logits[0])
+
+
+def test_masks_filled_ahead_are_used_only_for_the_history_they_were_filled_for(compiler):
+    decoding = GrammarDecoding(compiler)
+    rows = rows_for([JSON_SCHEMA, None, JSON_SCHEMA])
+    generator = torch.Generator().manual_seed(0)
+
+    def step() -> list[int]:
+        logits = torch.randn(3, compiler.vocab_size, generator=generator)
+        decoding.mask(logits, rows)
+        for i in (0, 2):
+            assert torch.equal(
+                torch.isfinite(logits[i]),
+                allowed_after(compiler, JSON_SCHEMA, rows[i].output_token_ids),
+            )
+        tokens = logits.argmax(-1).tolist()
+        decoding.accept(rows, tokens)  # starts filling the next masks on the worker
+        for row, token in zip(rows, tokens, strict=True):
+            row.output_token_ids.append(token)
+        return tokens
+
+    for _ in range(4):
+        step()
+    assert decoding.rows_filled_late == 2, "only the first step fills in the step"
+    assert decoding.rows_filled_ahead == 2 * 3
+
+    # Row 0 is recomputed from two tokens back (a preemption): its mask filled ahead
+    # belongs to a history it no longer has, so it is filled again in the step.
+    del rows[0].output_token_ids[-2:]
+    step()
+    assert decoding.rows_filled_late == 3 and decoding.rows_filled_ahead == 2 * 3 + 1
+
+    decoding.forget(["r0", "r2"])
+    assert decoding.num_sequences == 0
 
 
 def test_a_batch_without_grammars_does_no_mask_work(compiler, monkeypatch):

@@ -49,6 +49,6 @@ void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight
 
 // token_mask.cpp
 void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, at::IntArrayRef rows,
-                          int64_t vocab_size);
+                          at::IntArrayRef mask_rows, int64_t vocab_size);
 
 }  // namespace kvserve

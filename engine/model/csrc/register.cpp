@@ -25,8 +25,8 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("int8_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor scales) -> ()");
   m.def("int4_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor params) -> ()");
   m.def(
-      "apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, int[] rows, int vocab_size) "
-      "-> ()");
+      "apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, int[] rows, int[] mask_rows, "
+      "int vocab_size) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {

@@ -38,9 +38,10 @@ void mask_row(float* logits, const int32_t* words, int64_t vocab) {
 
 }  // namespace
 
-// logits[r, t] = -inf wherever bitmask[r] does not allow t (t < vocab_size), for r in rows.
+// logits[rows[i], t] = -inf wherever bitmask[mask_rows[i]] does not allow t (t < vocab_size):
+// the masks stay in the rows they were filled in (one per sequence), no gather first.
 void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, at::IntArrayRef rows,
-                          int64_t vocab_size) {
+                          at::IntArrayRef mask_rows, int64_t vocab_size) {
   check_cpu_contiguous(logits, "logits");
   check_cpu_contiguous(bitmask, "bitmask");
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat,
@@ -50,15 +51,17 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, at::Int
   const int64_t vocab = std::min(vocab_size, logits.size(1));
   TORCH_CHECK(bitmask.size(1) * 32 >= vocab, "bitmask is narrower than the vocabulary");
   const int64_t n = static_cast<int64_t>(rows.size());
+  TORCH_CHECK(static_cast<int64_t>(mask_rows.size()) == n, "one mask row per logits row");
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(rows[i] >= 0 && rows[i] < logits.size(0) && rows[i] < bitmask.size(0),
-                "row index out of range");
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < logits.size(0), "logits row index out of range");
+    TORCH_CHECK(mask_rows[i] >= 0 && mask_rows[i] < bitmask.size(0),
+                "mask row index out of range");
   }
   float* lp = logits.data_ptr<float>();
   const int32_t* bp = bitmask.data_ptr<int32_t>();
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      mask_row(lp + rows[i] * logits.size(1), bp + rows[i] * bitmask.size(1), vocab);
+      mask_row(lp + rows[i] * logits.size(1), bp + mask_rows[i] * bitmask.size(1), vocab);
     }
   });
 }
