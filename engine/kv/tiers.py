@@ -6,11 +6,13 @@
 
 One interface, ``TieredPrefixCache``, for the KV manager:
 
-- ``write_ahead(device_pool, window)``: copy the cached device blocks next in line for
-  eviction to the host tier *before* they are evicted; the runner does these copies on a
-  writer thread beside the step's forward (``take_writes_ahead()``), so the eviction itself
-  is bookkeeping. Full cached blocks never change, and a cached-free block is in no block
-  table, so the forward cannot write it while it is read.
+- ``write_ahead(device_pool, window)``: copy device blocks to the host tier *before* they
+  are evicted: the cached ones next in line for eviction and, with ``write_through``,
+  every block registered since the last call (``note_registered``). The runner does these
+  copies on a writer thread beside the step's forward (``take_writes_ahead()``), so the
+  eviction itself is bookkeeping. Registered blocks are full and never written again, and
+  a cached-free block is in no block table, so the forward cannot write one while it is
+  read.
 - ``demote(device_block, hash)``: the device pool is about to reuse a cached block. Already
   written ahead: the host copy becomes most recent, nothing moves. Otherwise (evictions
   outran the write-ahead window, or there is no host tier) its contents are copied down in

@@ -29,6 +29,7 @@ SOURCES = (
     "int8_linear.cpp",
     "int4_linear.cpp",
     "token_mask.cpp",
+    "block_copy.cpp",
     "register.cpp",
 )
 _CAPABILITY_FLAGS: dict[str, list[str]] = {

@@ -29,7 +29,8 @@ import torch
 
 from engine.kv.disk_store import DiskStore
 from engine.kv.tiers import DEVICE, DISK, HOST, TierCounters
-from engine.model.kv_cache import CopyStaging, KVPool, copy_blocks
+from engine.model.kv_cache import CopyStaging, KVPool, copy_blocks, copy_blocks_serially
+from engine.model.native import load_native_ops
 from engine.outputs import TierOp
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,11 @@ class TierIO:
         self.counters = counters
         self.block_bytes = sum(t[:, :, 0].numel() * t.element_size() for t in device_pool.tensors())
         self._writer: ThreadPoolExecutor | None = None  # started with the first write-ahead
+        # The writer copies CPU pools with memcpy on its own thread: torch's copies would
+        # start a second OpenMP team beside the forward's, which stalls the forward far more
+        # than the copy costs (loaded now, not on the writer mid-step, if it must be built).
+        on_cpu = device_pool.key.device.type == "cpu" and host_pool is not None
+        self._memcpy_writes = on_cpu and load_native_ops()
 
     def apply(self, ops: list[TierOp], *, wait_for_disk: bool = False) -> dict[str, int]:
         """Execute ``ops`` in order; ``wait_for_disk`` blocks on a full write queue instead
@@ -98,7 +104,11 @@ class TierIO:
             if first.target == DISK:
                 self._store_to_disk(group, wait=False)
                 continue
-            self._copy(group)
+            if self._memcpy_writes:
+                pairs = [(op.source_block, op.target_block) for op in group]
+                copy_blocks_serially(self.pools[first.source], self.pools[first.target], pairs)
+            else:
+                self._copy(group)
             self._count_move(first, len(group), 0.0)
 
     def _copy(self, group: list[TierOp]) -> None:

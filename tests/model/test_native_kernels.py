@@ -302,3 +302,23 @@ def test_token_bitmask_matches_xgrammars_kernel(native, vocab):
     )
     assert torch.equal(shuffled, logits)
     assert torch.isinf(logits[0, :vocab]).any() and not torch.isinf(logits[3]).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])  # K/V, int8 KV
+def test_serial_block_copy_moves_whole_blocks_between_pools_of_any_size(native, dtype):
+    """The tier writer's memcpy copy: block i of the source pool lands in block j of the
+    target for every (layer, head), K/V ([.., blocks, block_size, head_dim]) and scales
+    ([.., blocks, block_size]) alike; nothing else is written; bad ids are refused."""
+    torch.manual_seed(1)
+    for tail in ((4, 8), (4,)):
+        src = torch.randint(-100, 100, (3, 2, 7, *tail)).to(dtype)
+        dst = torch.randint(-100, 100, (3, 2, 5, *tail)).to(dtype)
+        pairs = [(6, 0), (1, 4), (3, 2)]
+        expected = dst.clone()
+        for source, target in pairs:
+            expected[:, :, target] = src[:, :, source]
+        sources, targets = [p[0] for p in pairs], [p[1] for p in pairs]
+        torch.ops.kvserve.copy_blocks_serial_(dst, src, sources, targets)
+        assert torch.equal(dst, expected)
+    with pytest.raises(RuntimeError, match="target block out of range"):
+        torch.ops.kvserve.copy_blocks_serial_(dst, src, [0], [5])

@@ -47,6 +47,10 @@ void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
 void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                  const at::Tensor& params);
 
+// block_copy.cpp
+void copy_blocks_serial_(at::Tensor& dst, const at::Tensor& src, at::IntArrayRef src_blocks,
+                         at::IntArrayRef dst_blocks);
+
 // token_mask.cpp
 void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, at::IntArrayRef rows,
                           at::IntArrayRef mask_rows, int64_t vocab_size);

@@ -27,6 +27,7 @@ TORCH_LIBRARY(kvserve, m) {
   m.def(
       "apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, int[] rows, int[] mask_rows, "
       "int vocab_size) -> ()");
+  m.def("copy_blocks_serial_(Tensor(a!) dst, Tensor src, int[] src_blocks, int[] dst_blocks) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
@@ -40,4 +41,5 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("int8_linear", &kvserve::int8_linear);
   m.impl("int4_linear", &kvserve::int4_linear);
   m.impl("apply_token_bitmask_", &kvserve::apply_token_bitmask_);
+  m.impl("copy_blocks_serial_", &kvserve::copy_blocks_serial_);
 }
