@@ -101,11 +101,6 @@ class KVCacheManager:
             return
         self.tiers = tiers
         self.device.on_evict = tiers.demote
-        # A host tier twice the device pool gets a copy of every block as it is registered
-        # (write-through): a block freed and evicted in consecutive steps is then already
-        # there, and copies of blocks the device still holds fill at most half of it. A
-        # smaller one gets only the blocks next in line for eviction.
-        tiers.write_through = tiers.host.num_blocks >= 2 * self.device.num_blocks
 
     def find_tier_prefix(self, request: Request, num_device_hits: int) -> list[TierHit]:
         """The blocks right after the device hit that a lower tier holds (same cap as

@@ -7,12 +7,12 @@
 One interface, ``TieredPrefixCache``, for the KV manager:
 
 - ``write_ahead(device_pool, window)``: copy device blocks to the host tier *before* they
-  are evicted: the cached ones next in line for eviction and, with ``write_through``,
-  every block registered since the last call (``note_registered``). The runner does these
-  copies on a writer thread beside the step's forward (``take_writes_ahead()``), so the
-  eviction itself is bookkeeping. Registered blocks are full and never written again, and
-  a cached-free block is in no block table, so the forward cannot write one while it is
-  read.
+  are evicted: every block registered since the last call (``note_registered``:
+  write-through) and the cached ones next in line for eviction (their host copy may have
+  aged out since). The runner does these copies on a writer thread beside the step's
+  forward (``take_writes_ahead()``), so the eviction itself is bookkeeping. Registered
+  blocks are full and never written again, and a cached-free block is in no block table,
+  so the forward cannot write one while it is read.
 - ``demote(device_block, hash)``: the device pool is about to reuse a cached block. Already
   written ahead: the host copy becomes most recent, nothing moves. Otherwise (evictions
   outran the write-ahead window, or there is no host tier) its contents are copied down in
@@ -105,7 +105,6 @@ class TieredPrefixCache:
         self._writes_ahead: list[TierOp] = []
         # Write-through (``note_registered``): device blocks registered since the last
         # write-ahead, copied by the next one.
-        self.write_through = False
         self._registered: list[tuple[int, BlockHash]] = []
         # Where a host eviction's disk store goes: the list of the copy that evicted it, so
         # the store reads the host block before that copy overwrites it.
@@ -118,28 +117,33 @@ class TieredPrefixCache:
     # -- demotion ---------------------------------------------------------------------------
 
     def demote(self, device_block: int, block_hash: BlockHash) -> None:
-        """A cached device block is about to be reused: keep its contents a tier down."""
+        """A cached device block is about to be reused: keep its contents a tier down
+        (nothing to copy when a tier already holds them)."""
+        on_disk = self.disk is not None and self.disk.contains_or_pending(block_hash)
         if self.host.num_free:  # zero when off, or while every host block is pinned
             held = self.host.lookup(block_hash)
             if held is not None:
                 self._refresh(held.block_id)
                 return
+            if on_disk:  # written through, then passed on by the host tier's LRU
+                return
             host_block = self._take_host_block(block_hash)
             self._ops.append(TierOp(DEVICE, device_block, HOST, host_block, block_hash))
-        elif self.disk is not None and not self.disk.contains_or_pending(block_hash):
+        elif self.disk is not None and not on_disk:
             self._ops.append(TierOp(DEVICE, device_block, DISK, -1, block_hash))
 
     def note_registered(self, device_block: int, block_hash: BlockHash) -> None:
-        """A device block was just registered in the prefix cache (its tokens computed);
-        with ``write_through`` the next ``write_ahead`` copies it to the host tier."""
-        if self.write_through:
+        """A device block was just registered in the prefix cache (its tokens computed):
+        the next ``write_ahead`` copies it to the host tier (write-through). A host tier
+        smaller than the device pool passes what it cannot keep on to disk, by its LRU."""
+        if self.host.num_blocks:
             self._registered.append((device_block, block_hash))
 
     def write_ahead(self, device: BlockPool, window: int) -> None:
         """Copy to the host tier, beside the step's forward, the device blocks it lacks
-        among: the cached blocks in the first ``window`` of the device free queue (the
-        next allocations evict from there), and with ``write_through`` every block
-        registered since the last call.
+        among: every block registered since the last call, and the cached blocks in the
+        first ``window`` of the device free queue (the next allocations evict from there;
+        their first copy may have aged out of the host tier since).
 
         Call after the step's allocations. A registered block is full and the forward
         only writes past a sequence's computed tokens; a cached-free one is in no block

@@ -121,6 +121,7 @@ def cached_free_device_blocks(kv: KVCacheManager, hashes: list[bytes]) -> list[i
 
 
 def test_write_ahead_copies_the_cached_blocks_next_in_line_once() -> None:
+    # Registered directly in the pool, not through cache_computed_blocks: no write-through.
     kv = KVCacheManager(CacheConfig(num_device_blocks=8, block_size=4, watermark=0.0))
     tiers = TieredPrefixCache(num_host_blocks=4)
     kv.attach_tiers(tiers)
@@ -172,7 +173,6 @@ def test_write_through_copies_each_registered_block_once_while_it_is_in_use() ->
     kv = KVCacheManager(CacheConfig(num_device_blocks=4, block_size=4, watermark=0.0))
     tiers = TieredPrefixCache(num_host_blocks=8)
     kv.attach_tiers(tiers)
-    assert tiers.write_through, "a host tier twice the device pool writes through"
     held, evicted = kv.device.allocate(2)
     for block, block_hash in ((held, h(1)), (evicted, h(2))):
         kv.device.cache_block(block, block_hash)
@@ -187,14 +187,13 @@ def test_write_through_copies_each_registered_block_once_while_it_is_in_use() ->
     assert kv.write_ahead(window=0) == [], "once"
 
 
-def test_a_host_tier_under_twice_the_device_pool_does_not_write_through() -> None:
-    kv = KVCacheManager(CacheConfig(num_device_blocks=4, block_size=4, watermark=0.0))
-    tiers = TieredPrefixCache(num_host_blocks=7)
-    kv.attach_tiers(tiers)
-    (block,) = kv.device.allocate(1)
-    kv.device.cache_block(block, h(1))
-    tiers.note_registered(block, h(1))
-    assert not tiers.write_through and kv.write_ahead(window=4) == []
+def test_a_block_already_on_disk_is_not_copied_again_at_eviction(tmp_path: Path) -> None:
+    disk = store(tmp_path)
+    write(disk, h(1), b"x" * 16)  # written through earlier, passed on by the host's LRU
+    tiers = TieredPrefixCache(num_host_blocks=2, disk=disk)
+    tiers.demote(3, h(1))
+    assert tiers.take_ops() == []
+    assert tiers.match([h(1)])[0].tier == "disk"
 
 
 def test_forget_writes_drops_the_host_entries_of_a_failed_write_ahead() -> None:
