@@ -7,6 +7,9 @@ stepping it on another left two pools on a two-core machine, and every kernel ca
 waited for sleeping workers to wake: a batch-1 int8 decode step took 40-54 ms instead
 of 15 ms (bench/bench_engine_thread.py).
 Running the build and the step loop on the same thread keeps a single pool.
+
+The same class runs the engine's side work beside a step (grammar masks filled ahead,
+tier copies written ahead); that work calls no OpenMP-parallel torch op for this reason.
 """
 
 from __future__ import annotations

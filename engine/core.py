@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
 from typing import Protocol
 
 from engine.outputs import EngineStats, RequestDelta, RunnerOutput, SchedulerOutput, TierOp
@@ -47,7 +46,8 @@ class TierMover(Protocol):
     """Applies the tiered prefix cache's moves (engine/model/tier_io.py)."""
 
     def apply(self, ops: list[TierOp], *, wait_for_disk: bool = False) -> dict[str, int]: ...
-    def start_writes_ahead(self, ops: list[TierOp]) -> Future[None] | None: ...
+    def start_writes_ahead(self, ops: list[TierOp]) -> None: ...
+    def wait_writes_ahead(self) -> BaseException | None: ...
     def close(self) -> None: ...
 
 
@@ -116,11 +116,14 @@ class EngineCore:
         out = self.scheduler.schedule()
         if out.tier_ops:
             self._apply_tier_ops(out)
-        writes = self._start_writes_ahead(out.tier_writes_ahead)
+        writer = self.tier_io if out.tier_writes_ahead else None
+        if writer is not None:
+            writer.start_writes_ahead(out.tier_writes_ahead)
         try:
             return self._execute(out)
         finally:
-            self._finish_writes_ahead(writes, out.tier_writes_ahead)
+            if writer is not None:
+                self._finish_writes_ahead(writer, out.tier_writes_ahead)
 
     def _execute(self, out: SchedulerOutput) -> list[RequestDelta]:
         if out.is_empty and not out.finished_request_ids:
@@ -146,21 +149,15 @@ class EngineCore:
         loaded = self.tier_io.apply(out.tier_ops) if self.tier_io is not None else {}
         self.scheduler.finish_loads(loaded)
 
-    def _start_writes_ahead(self, ops: list[TierOp]) -> Future[None] | None:
-        if not ops or self.tier_io is None:
-            return None
-        return self.tier_io.start_writes_ahead(ops)
-
-    def _finish_writes_ahead(self, writes: Future[None] | None, ops: list[TierOp]) -> None:
+    def _finish_writes_ahead(self, writer: TierMover, ops: list[TierOp]) -> None:
         """Wait for the step's write-aheads (long done: a forward is slower than a copy).
         A failed one costs only its cached copies, never the engine."""
-        if writes is None:
-            return
-        try:
-            writes.result()
-        except Exception:
-            logger.exception("tier write-ahead failed; its %d blocks stay uncached", len(ops))
-            assert self.scheduler.kv.tiers is not None
+        assert self.scheduler.kv.tiers is not None
+        error = writer.wait_writes_ahead()
+        if error is not None:
+            logger.error(
+                "tier write-ahead failed (%s); its %d blocks stay uncached", error, len(ops)
+            )
             self.scheduler.kv.tiers.forget_writes(ops)
 
     def close(self) -> None:

@@ -154,11 +154,11 @@ class TieredPrefixCache:
         registered, self._registered = self._registered, []
         if not self.host.num_blocks:
             return
-        # Registered blocks evicted since (their hash changed) are skipped below.
-        candidates = list(registered)
-        candidates += [
+        # Registered blocks evicted since (their hash changed) are skipped below; the free
+        # queue is walked only when it holds cached blocks at all.
+        candidates = registered + [
             (block.block_id, block.block_hash)
-            for block in islice(device.free_queue, window)
+            for block in islice(device.free_queue, window if device.num_cached_free else 0)
             if block.block_hash is not None
         ]
         self._host_evictions = self._writes_ahead

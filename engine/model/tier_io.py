@@ -15,25 +15,24 @@ Returns, per loading request, how many of its (leading) blocks arrived intact.
 
 ``TierIO.start_writes_ahead(ops)`` runs the step's write-ahead copies (device -> host, and
 the disk stores of the host blocks they reuse) on one writer thread while the forward
-runs; the core waits for them before the step returns, so the next step sees them done.
+runs; the core calls ``wait_writes_ahead()`` before the step returns, so the next step
+sees them done.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
+from engine.compute_thread import ComputeThread
 from engine.kv.disk_store import DiskStore
 from engine.kv.tiers import DEVICE, DISK, HOST, TierCounters
 from engine.model.kv_cache import CopyStaging, KVPool, copy_blocks, copy_blocks_serially
 from engine.model.native import load_native_ops
 from engine.outputs import TierOp
-
-logger = logging.getLogger(__name__)
 
 
 class TierIO:
@@ -54,7 +53,8 @@ class TierIO:
         self.disk = disk
         self.counters = counters
         self.block_bytes = sum(t[:, :, 0].numel() * t.element_size() for t in device_pool.tensors())
-        self._writer: ThreadPoolExecutor | None = None  # started with the first write-ahead
+        self._writer: ComputeThread | None = None  # started with the first write-ahead
+        self._writing: Future[None] | None = None
         # The writer copies CPU pools with memcpy on its own thread: torch's copies would
         # start a second OpenMP team beside the forward's, which stalls the forward far more
         # than the copy costs (loaded now, not on the writer mid-step, if it must be built).
@@ -88,14 +88,17 @@ class TierIO:
             self._count_move(first, sum(arrived), time.perf_counter() - started)
         return loaded
 
-    def start_writes_ahead(self, ops: list[TierOp]) -> Future[None] | None:
-        """Run ``ops`` (tier stores only) in order on the writer thread; None when empty.
-        The caller waits on the future before the next step."""
-        if not ops:
-            return None
+    def start_writes_ahead(self, ops: list[TierOp]) -> None:
+        """Run ``ops`` (tier stores only) in order on the writer thread; the caller calls
+        ``wait_writes_ahead`` before the next step."""
         if self._writer is None:
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tier-writer")
-        return self._writer.submit(self._write_ahead, ops)
+            self._writer = ComputeThread("kvserve-tier-writer")
+        self._writing = self._writer.submit(lambda: self._write_ahead(ops))
+
+    def wait_writes_ahead(self) -> BaseException | None:
+        """Block until the last write-ahead is done; what it raised, or None."""
+        writing, self._writing = self._writing, None
+        return writing.exception() if writing is not None else None
 
     def _write_ahead(self, ops: list[TierOp]) -> None:
         for group in _groups(ops):
@@ -117,8 +120,9 @@ class TierIO:
 
     def close(self) -> None:
         """Stop the writer thread, let queued disk writes finish (bounded), stop those."""
+        self.wait_writes_ahead()
         if self._writer is not None:
-            self._writer.shutdown(wait=True)
+            self._writer.close()
         if self.disk is not None:
             self.disk.close()
 

@@ -33,15 +33,15 @@ row list.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import xgrammar as xgr
 
+from engine.compute_thread import ComputeThread
 from engine.model.native import load_native_ops
 from engine.request import SamplingParams
 from engine.structured.compiler import GrammarCompiler
@@ -112,7 +112,8 @@ class GrammarDecoding:
         # threads cost more than they save (measured on two cores).
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         self._stop_only = _stop_only_row(compiler.stop_token_ids, self.vocab_size)
-        self._filler: _Worker | None = None  # started by the first accept
+        self._filler: ComputeThread | None = None  # started by the first accept
+        self._filling: Future[None] | None = None
         self.rows_filled_ahead = 0  # rows whose mask was ready when ``mask`` needed it
         self.rows_filled_late = 0  # rows filled inside ``mask`` (new, or history changed)
 
@@ -190,13 +191,14 @@ class GrammarDecoding:
         if not states:
             return
         if self._filler is None:
-            self._filler = _Worker(self._fill, "kvserve-grammar-fill")
-        self._filler.start(states)
+            self._filler = ComputeThread("kvserve-grammar-fill")
+        self._filling = self._filler.submit(lambda: self._fill(states))
 
     def _wait_for_filler(self) -> None:
         """Let the worker finish with the matchers; a failed fill only leaves its rows
         stale (``mask`` fills them again and raises if the grammar really is broken)."""
-        error = self._filler.wait() if self._filler is not None else None
+        filling, self._filling = self._filling, None
+        error = filling.exception() if filling is not None else None
         if error is not None:
             logger.error("filling grammar masks ahead failed (%s); refilling in the step", error)
 
@@ -250,39 +252,6 @@ def apply_bitmask(
     gathered[rows] = bitmask[mask_rows]
     gathered = gathered.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, gathered, vocab_size=vocab_size, indices=rows)
-
-
-class _Worker:
-    """One daemon thread that runs ``job(arg)`` for each ``start(arg)``; ``wait()`` returns
-    once the last job is done, with its exception or None. Lighter than an executor's
-    futures on a path taken every step."""
-
-    def __init__(self, job: Callable[[Any], None], name: str) -> None:
-        self._job = job
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._idle = threading.Event()
-        self._idle.set()
-        self._error: BaseException | None = None
-        threading.Thread(target=self._run, name=name, daemon=True).start()
-
-    def start(self, arg: Any) -> None:
-        self._idle.clear()
-        self._jobs.put(arg)
-
-    def wait(self) -> BaseException | None:
-        self._idle.wait()
-        error, self._error = self._error, None
-        return error
-
-    def _run(self) -> None:
-        while True:
-            arg = self._jobs.get()
-            try:
-                self._job(arg)
-            except BaseException as exc:  # handed to the engine thread by wait()
-                self._error = exc
-            finally:
-                self._idle.set()
 
 
 def _stop_only_row(stop_token_ids: Sequence[int], vocab_size: int) -> torch.Tensor:

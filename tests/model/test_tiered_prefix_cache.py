@@ -73,10 +73,10 @@ class Recorder:
                 tokens.extend(delta.new_token_ids)
                 cached = delta.num_cached_tokens
             self.core.scheduler.check_integrity()
-            self._record_and_verify()
+            self.record_and_verify()
         return tokens, cached
 
-    def _record_and_verify(self) -> None:
+    def record_and_verify(self) -> None:
         kv = self.core.scheduler.kv
         device = self.core.runner.device_pool
         for block_hash, block in kv.device.cached.items():
@@ -173,7 +173,7 @@ def run_beside_a_decode(recorder: Recorder, prompt: list[int]) -> None:
     while steps_after < 2:
         finished = any(d.finished for d in core.step())
         core.scheduler.check_integrity()
-        recorder._record_and_verify()  # every host block holds what the device computed
+        recorder.record_and_verify()  # every host block holds what the device computed
         if finished or steps_after:
             steps_after += 1
     assert core.has_unfinished(), "the second request still decodes"
@@ -223,7 +223,7 @@ def test_the_host_tier_gets_each_block_as_it_is_computed(
     core.add_request([Request("first", list(first), params)])
     core.step()  # the prompt's prefill registers its full blocks
     core.step()  # ... which the next step's writer copies beside its forward
-    recorder._record_and_verify()
+    recorder.record_and_verify()
     assert core.has_unfinished(), "the request is still running"
     assert all(kv.tiers.host.lookup(h) is not None for h in hashes)
     while core.has_unfinished():
