@@ -329,6 +329,7 @@ def _wire(
         max_queued_tokens=args.max_queued_tokens,
         scheduling_policy=args.scheduling_policy,
         max_step_time_s=_max_step_time_s(args, device),
+        max_step_time_ratio=args.max_step_time_ratio,
     )
     return EngineCore(Scheduler(scheduler_config, cache_config, kv_shape), runner)
 

@@ -17,9 +17,13 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap", "auto")
 ADMISSION_POLICIES: tuple[str, ...] = ("optimistic", "reserve")
 SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
-# --max-step-time-ms when not given, by device: a CPU step of a small model decoding 32
-# sequences takes ~100-200 ms, a GPU step tens of ms.
-DEFAULT_MAX_STEP_TIME_MS = {"cpu": 400.0, "cuda": 100.0}
+# --max-step-time-ms when not given, by device: the absolute backstop under the relative
+# bound below. A CPU step of a small model decoding 32 sequences takes ~30-250 ms
+# (AVX-512 bf16 .. AVX2 float32), a GPU step tens of ms.
+DEFAULT_MAX_STEP_TIME_MS = {"cpu": 800.0, "cuda": 100.0}
+# --max-step-time-ratio when not given: a step with decodes may take this many times what
+# its decodes alone take, so the longest inter-token gap stays a few typical ones wide.
+DEFAULT_MAX_STEP_TIME_RATIO = 4.0
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,8 @@ class SchedulerConfig:
     # Target step time (0 = none): prefill tokens per step are bounded by it at the
     # measured cost per token, never below ``min_prefill_tokens``; decodes are not cut.
     max_step_time_s: float = 0.0
+    # And, in a step with decodes, by this multiple of the decodes' own step (0 = none).
+    max_step_time_ratio: float = 0.0
     min_prefill_tokens: int = 32
 
     def __post_init__(self) -> None:
@@ -94,6 +100,8 @@ class SchedulerConfig:
             raise ValueError("max_num_bypasses must be >= 0")
         if self.max_step_time_s < 0 or self.min_prefill_tokens < 1:
             raise ValueError("max_step_time_s must be >= 0 and min_prefill_tokens >= 1")
+        if self.max_step_time_ratio != 0 and self.max_step_time_ratio <= 1:
+            raise ValueError("max_step_time_ratio must be 0 (off) or > 1")
 
 
 @dataclass(frozen=True)
@@ -127,6 +135,7 @@ class EngineArgs:
     max_queued_tokens: int = 0
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_step_time_ms: float | None = None  # None: DEFAULT_MAX_STEP_TIME_MS of the device
+    max_step_time_ratio: float = DEFAULT_MAX_STEP_TIME_RATIO
     seed: int = 0
     # Weight quantization of the projections and LM head: none | int8 | int4 (CPU only).
     quantization: str = "none"

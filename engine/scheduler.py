@@ -15,9 +15,10 @@ Each ``schedule()`` call fills one step under two budgets, ``max_num_batched_tok
    docs/RELIABILITY.md, "Fairness").
 
 Prefill tokens (chunks of running prompts, admissions) are bounded by the step's prefill
-budget as well as the token budget: from ``max_step_time_s`` and the step cost the core
-measures (``set_step_cost``), so a step that re-admits long histories cannot stall every
-decode for seconds. Decode tokens are never cut by it.
+budget as well as the token budget: from ``max_step_time_s``, ``max_step_time_ratio`` (a
+multiple of what the step's decodes alone take) and the step cost the core measures
+(``set_step_cost``), so a step that re-admits long histories cannot stall every decode for
+seconds. Decode tokens are never cut by it.
 
 Nothing is admitted or swapped in during a step that preempted, which keeps a freshly freed
 block from being refilled in the same step and rules out admit/preempt ping-pong.
@@ -388,13 +389,18 @@ class Scheduler:
 
     def _prefill_budget(self) -> int:
         """Prefill tokens this step may compute: the token budget less one token per
-        decode, further bounded by ``max_step_time_s`` at the measured step cost."""
+        decode, further bounded by ``max_step_time_s`` and ``max_step_time_ratio`` at the
+        measured step cost (``max_step_time_s`` 0 turns both off)."""
         decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens <= 1)
         room = max(0, self.config.max_num_batched_tokens - decodes)
         if self.config.max_step_time_s <= 0:
             return room
         timed = prefill_token_budget(
-            self._step_cost, self.config.max_step_time_s, decodes, self.config.min_prefill_tokens
+            self._step_cost,
+            self.config.max_step_time_s,
+            decodes,
+            self.config.min_prefill_tokens,
+            self.config.max_step_time_ratio,
         )
         return min(room, timed)
 

@@ -20,6 +20,7 @@ from engine.compute_thread import ComputeThread
 from engine.config import (
     ADMISSION_POLICIES,
     DEFAULT_MAX_STEP_TIME_MS,
+    DEFAULT_MAX_STEP_TIME_RATIO,
     PREEMPTION_MODES,
     SCHEDULING_POLICIES,
     EngineArgs,
@@ -95,6 +96,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="target step time bounding prefill tokens per step (0 = off; default: "
         + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_MAX_STEP_TIME_MS.items())
         + ")",
+    )
+    sched.add_argument(
+        "--max-step-time-ratio",
+        type=float,
+        default=DEFAULT_MAX_STEP_TIME_RATIO,
+        help="a step with decodes may take at most this many times what its decodes alone "
+        "take at the measured cost, bounding the longest inter-token gap to a multiple of "
+        "the typical one (0 = off; under --max-step-time-ms either way)",
     )
     http = p.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1")
@@ -183,6 +192,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         max_queued_tokens=args.max_queued_tokens,
         scheduling_policy=args.scheduling_policy,
         max_step_time_ms=args.max_step_time_ms,
+        max_step_time_ratio=args.max_step_time_ratio,
         seed=args.seed,
     )
 
