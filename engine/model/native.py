@@ -28,6 +28,7 @@ SOURCES = (
     "prefill_attention.cpp",
     "int8_linear.cpp",
     "int4_linear.cpp",
+    "bf16_linear.cpp",
     "token_mask.cpp",
     "block_copy.cpp",
     "register.cpp",

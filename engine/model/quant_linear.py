@@ -38,6 +38,10 @@ QUANTIZATION_METHODS: tuple[str, ...] = ("none", "int8", "int4")
 # here it is about as fast as fbgemm or faster, and exact in the activations; at 8 rows
 # it is half fbgemm's speed.
 ROWWISE_MAX_ROWS = 4
+# Calls with at most this many rows take the native bf16 kernel on CPUs with AVX512_BF16:
+# 3-5x torch's bf16 GEMM (oneDNN) at 1-4 rows on SmolLM2's projections, 2x at 8, slower
+# from ~12 on (bench/bench_kernels.py --bf16).
+BF16_ROWWISE_MAX_ROWS = 8
 # The row-major copy keeps one float32 scale per output channel beside its int8 weights.
 ROWWISE_CHANNEL_BYTES = 4
 INT8_MAX = 127
@@ -64,15 +68,28 @@ class Linear(Protocol):
 
 
 class DenseLinear:
-    """A weight tensor (and optional bias) in the serving dtype, applied with F.linear."""
+    """A weight tensor (and optional bias) in the serving dtype, applied with F.linear.
 
-    __slots__ = ("bias", "weight")
+    With ``rowwise`` (bf16 weights, the native kernels loaded, a CPU with AVX512_BF16)
+    calls of at most ``BF16_ROWWISE_MAX_ROWS`` rows go through ``torch.ops.kvserve.bf16_linear``
+    instead: the CPU's bf16 dot-product instruction over the weights as stored, each
+    weight row read once for every activation row (docs/BENCHMARKS.md, "bf16 decode").
+    """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    __slots__ = ("bias", "rowwise", "weight")
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, rowwise: bool = False
+    ):
         self.weight = weight
         self.bias = bias
+        self.rowwise = rowwise
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rowwise and x.shape[0] <= BF16_ROWWISE_MAX_ROWS and x.dtype == torch.bfloat16:
+            y = x.new_empty(x.shape[0], self.weight.shape[0])
+            torch.ops.kvserve.bf16_linear(y, x.contiguous(), self.weight)
+            return y if self.bias is None else y.add_(self.bias)
         return F.linear(x, self.weight, self.bias)
 
     @property
@@ -278,14 +295,50 @@ def quantize_weights(
     The LM head gets its own int8 copy (int8 and int4) even when tied to the embedding: the
     lookup table stays in the serving dtype and both count toward the weight bytes. With
     int4 the decoder's projections are 4-bit. ``rowwise`` adds the int8 row-major copy for
-    few-row calls; it and int4 need the native kernels (``kernels`` names the backend).
+    few-row calls (unquantized, it sends a bf16 model's few-row calls to the native bf16
+    kernel where the CPU has AVX512_BF16); it and int4 need the native kernels
+    (``kernels`` names the backend).
     """
     check_quantization(method, weights.embed.device, kernels)
     if method == "none":
-        return weights
+        return _with_bf16_rowwise(weights) if rowwise else weights
     layers = [_quantize_layer(layer, method, rowwise) for layer in weights.layers]
     lm_head = _to_int8(weights.lm_head, rowwise)
     return dataclasses.replace(weights, layers=layers, lm_head=lm_head)
+
+
+def bf16_rowwise_supported(weight: torch.Tensor) -> bool:
+    """Whether the native few-row bf16 kernel can serve ``weight`` on this CPU."""
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and load_native_ops()
+        and bool(torch.ops.kvserve.bf16_linear_supported())
+    )
+
+
+def _with_bf16_rowwise(weights: LlamaWeights) -> LlamaWeights:
+    """The dense projections and LM head with the few-row bf16 kernel turned on, where the
+    weights are bf16 and the CPU has AVX512_BF16; otherwise ``weights`` unchanged."""
+    if not bf16_rowwise_supported(weights.embed):
+        return weights
+
+    def rowwise(linear: Linear) -> Linear:
+        if isinstance(linear, DenseLinear) and linear.weight.is_contiguous():
+            return DenseLinear(linear.weight, linear.bias, rowwise=True)
+        return linear
+
+    layers = [
+        dataclasses.replace(
+            layer,
+            qkv=rowwise(layer.qkv),
+            o_proj=rowwise(layer.o_proj),
+            gate_up=rowwise(layer.gate_up),
+            down=rowwise(layer.down),
+        )
+        for layer in weights.layers
+    ]
+    return dataclasses.replace(weights, layers=layers, lm_head=rowwise(weights.lm_head))
 
 
 def _quantize_layer(layer: LayerWeights, method: str, rowwise: bool) -> LayerWeights:

@@ -13,7 +13,15 @@ import torch
 from engine.model.attention import SequenceChunk, build_metadata
 from engine.model.kernels import NativeKernels, TorchKernels, select_kernels
 from engine.model.kv_cache import KVPool, KVPoolLayout, PagedKVCache
-from engine.model.quant_linear import ROWWISE_CHANNEL_BYTES, ROWWISE_MAX_ROWS, Int8Linear
+from engine.model.quant_linear import (
+    BF16_ROWWISE_MAX_ROWS,
+    ROWWISE_CHANNEL_BYTES,
+    ROWWISE_MAX_ROWS,
+    DenseLinear,
+    Int8Linear,
+    bf16_rowwise_supported,
+    quantize_weights,
+)
 from engine.model.spec import ModelSpec
 from tests.model.paged import BlockTables
 
@@ -274,6 +282,67 @@ def test_int8_linear_matches_dequantized_weights(native, rows, in_features):
         torch.testing.assert_close(linear(x), expected, atol=1e-4, rtol=1e-5)
     rowwise_bytes = int8.numel() + ROWWISE_CHANNEL_BYTES * 37
     assert linear.nbytes == Int8Linear.from_dense(weight).nbytes + rowwise_bytes
+
+
+def _needs_avx512_bf16() -> None:
+    # The kernel's own cases only: everything else in the suite runs on every CPU class.
+    if not torch.ops.kvserve.bf16_linear_supported():
+        pytest.skip("this CPU has no AVX512_BF16 (the bf16 kernel is never used on it)")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("in_features", [64, 100, 576])  # 100: a masked tail; 576: 9 x 64
+def test_bf16_linear_matches_float32_math_within_bf16_rounding(native, rows, in_features):
+    """The few-row bf16 kernel: float32 accumulation of bf16 products, one bf16 rounding
+    at the end (torch's bf16 GEMM rounds the same way, so they agree to one bf16 ulp)."""
+    _needs_avx512_bf16()
+    torch.manual_seed(rows * in_features)
+    weight = torch.randn(37, in_features).to(torch.bfloat16)
+    x = torch.randn(rows, in_features).to(torch.bfloat16)
+    out = torch.empty(rows, 37, dtype=torch.bfloat16)
+    torch.ops.kvserve.bf16_linear(out, x, weight)
+    exact = x.float() @ weight.float().T
+    torch.testing.assert_close(out.float(), exact.to(torch.bfloat16).float(), atol=0.02, rtol=8e-3)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), atol=0.02, rtol=8e-3)
+
+
+def test_bf16_linear_refuses_what_it_cannot_serve(native):
+    _needs_avx512_bf16()
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.kvserve.bf16_linear(torch.empty(2, 8), x.float(), torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="shape"):
+        out = torch.empty(2, 8, dtype=torch.bfloat16)
+        torch.ops.kvserve.bf16_linear(out, x, torch.randn(8, 32, dtype=torch.bfloat16))
+
+
+def test_bf16_model_takes_the_kernel_for_few_rows_only_where_the_cpu_has_it(
+    native, tiny_llama_factory
+):
+    """quantize_weights('none', rowwise) turns the kernel on for a bf16 model exactly when
+    the CPU supports it (float32 is untouched); a layer with it on agrees with F.linear at
+    every row count (the kernel up to BF16_ROWWISE_MAX_ROWS rows, torch's GEMM past it)."""
+    from engine.model.loader import model_from_reference
+
+    _, reference = tiny_llama_factory()
+    supported = bool(torch.ops.kvserve.bf16_linear_supported())
+    for dtype in (torch.float32, torch.bfloat16):
+        weights = model_from_reference(reference.to(dtype)).weights
+        weights = quantize_weights(weights, "none", rowwise=True)
+        linears = [weights.lm_head] + [
+            linear
+            for layer in weights.layers
+            for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        ]
+        expected = dtype == torch.bfloat16 and supported
+        assert {isinstance(x, DenseLinear) and x.rowwise for x in linears} == {expected}
+        assert bf16_rowwise_supported(weights.embed) == expected
+        assert weights.lm_head_tied == model_from_reference(reference).weights.lm_head_tied
+    layer = DenseLinear(torch.randn(40, 64).to(torch.bfloat16), rowwise=supported)
+    for rows in (1, BF16_ROWWISE_MAX_ROWS, BF16_ROWWISE_MAX_ROWS + 1):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        reference_out = torch.nn.functional.linear(x, layer.weight)
+        torch.testing.assert_close(layer(x), reference_out, atol=0.02, rtol=8e-3)
 
 
 @pytest.mark.parametrize("vocab", [64, 100, 49152])  # 100: a partial last bitmask word

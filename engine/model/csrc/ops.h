@@ -43,6 +43,10 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& qkv, const at::T
 void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                  const at::Tensor& scales);
 
+// bf16_linear.cpp
+bool bf16_linear_supported();
+void bf16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight);
+
 // int4_linear.cpp
 void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                  const at::Tensor& params);
