@@ -9,10 +9,14 @@ heads, 3 KV heads, head_dim 64, 30 layers, hidden 576, intermediate 1536):
 - a whole model's worth of int8 linear layers at 1-8 rows: fbgemm's dynamic-quantized
   GEMM vs the row-major few-row kernel (``torch.ops.kvserve.int8_linear``);
 - the decoder's projections (no LM head) at 1-256 rows: int8 as the engine runs it
-  (row-major kernel up to 4 rows, fbgemm beyond) vs int4 (``torch.ops.kvserve.int4_linear``).
+  (row-major kernel up to 4 rows, fbgemm beyond) vs int4 (``torch.ops.kvserve.int4_linear``);
+- a whole model's worth of bf16 linear layers (with the LM head) at 1-32 rows: torch's bf16
+  GEMM (oneDNN) vs the few-row kernel (``torch.ops.kvserve.bf16_linear``), on CPUs with
+  AVX512_BF16 only; with the read bandwidth of this machine beside it.
 
     .venv/bin/python bench/bench_kernels.py
     .venv/bin/python bench/bench_kernels.py --batch 32 --context 400 --repeats 5
+    .venv/bin/python bench/bench_kernels.py --only bf16
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 from engine.model.attention import AttentionMetadata, SequenceChunk, build_metadata
 from engine.model.kernels import NativeKernels, TorchKernels
 from engine.model.kv_cache import KVPool, KVPoolLayout, PagedKVCache
+from engine.model.native import load_native_ops
 from engine.model.quant_linear import Int4Linear, Int8Linear, Linear
 from engine.model.spec import ModelSpec
 
@@ -180,17 +185,73 @@ def bench_int8_linear(args: argparse.Namespace) -> None:
         )
 
 
+def read_bandwidth(repeats: int) -> float:
+    """Bytes per second a torch sum reads from a 512 MiB float32 tensor (all threads):
+    the memory roofline a batch-1 decode step streams its weights against."""
+    data = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
+    seconds = median_seconds(lambda: data.sum(), repeats)
+    return data.numel() * 4 / seconds
+
+
+def bench_bf16_linear(args: argparse.Namespace) -> None:
+    if not (load_native_ops() and torch.ops.kvserve.bf16_linear_supported()):
+        print("\nbf16 linear: this CPU has no AVX512_BF16 (the kernel is not used here)")
+        return
+    spec = SMOLLM2
+    shapes = [*projection_shapes(), (spec.vocab_size, spec.hidden_size)]
+    weights = [torch.randn(o, i).to(torch.bfloat16) for o, i in shapes]
+    weight_bytes = sum(w.numel() * 2 for w in weights)
+    bandwidth = read_bandwidth(args.repeats)
+    print(
+        f"\nbf16 linear layers of one decode step ({weight_bytes / 1e6:.0f} MB of weights); "
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum of 512 MiB), so the floor "
+        f"is {weight_bytes / bandwidth * 1e3:.2f} ms"
+    )
+    print("| rows | torch (oneDNN) | native kernel | speed-up |")
+    print("|---:|---:|---:|---:|")
+    for rows in (1, 2, 4, 8, 16, 32):
+        inputs = {i: torch.randn(rows, i).to(torch.bfloat16) for _, i in shapes}
+        outs = [torch.empty(rows, w.shape[0], dtype=torch.bfloat16) for w in weights]
+
+        def torch_all(inputs: dict[int, torch.Tensor] = inputs) -> None:
+            for w in weights:
+                torch.nn.functional.linear(inputs[w.shape[1]], w)
+
+        def native_all(
+            inputs: dict[int, torch.Tensor] = inputs, outs: list[torch.Tensor] = outs
+        ) -> None:
+            for w, out in zip(weights, outs, strict=True):
+                torch.ops.kvserve.bf16_linear(out, inputs[w.shape[1]], w)
+
+        a = median_seconds(torch_all, args.repeats)
+        b = median_seconds(native_all, args.repeats)
+        print(
+            f"| {rows} | {a * 1e3:.2f} ms ({weight_bytes / a / 1e9:.1f} GB/s) | "
+            f"{b * 1e3:.2f} ms ({weight_bytes / b / 1e9:.1f} GB/s) | {a / b:.2f}x |"
+        )
+
+
+BENCHES = {
+    "attention": bench_attention,
+    "int8": bench_int8_linear,
+    "int4": bench_int4_linear,
+    "bf16": bench_bf16_linear,
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--context", type=int, default=400)
+    parser.add_argument("--batch", type=int, default=32, help="decode attention: sequences")
+    parser.add_argument("--context", type=int, default=400, help="decode attention: tokens")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--only", nargs="+", choices=list(BENCHES), default=list(BENCHES), help="which parts"
+    )
     args = parser.parse_args()
     print(f"torch threads {torch.get_num_threads()}")
-    bench_attention(args)
-    bench_int8_linear(args)
-    bench_int4_linear(args)
+    for name in args.only:
+        BENCHES[name](args)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -44,6 +45,8 @@ from compare_report import write_summary  # noqa: E402  (bench/ is not a package
 from gguf_to_hf import convert, embedded_gguf  # noqa: E402
 
 READY_TIMEOUT_S = 600.0
+# After SIGCONT, before the measured load: let a resumed server's threads settle.
+PAUSE_SETTLE_S = 2.0
 
 
 def _no_env(args: argparse.Namespace) -> dict[str, str]:
@@ -341,31 +344,85 @@ def warm_up(url: str, out: Path, name: str) -> None:
     )
 
 
-def bench_server(spec: ServerSpec, args: argparse.Namespace, out: Path) -> None:
+def start_server(
+    spec: ServerSpec, args: argparse.Namespace, out: Path
+) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log_path = out / f"{spec.name}-server.log"
-    env = server_env(spec, args)
     command = spec.command(args, port)
     if spec.name.startswith("kvserve"):
         command += args.kvserve_arg
     print(f"== {spec.name}: {' '.join(command)}", flush=True)
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    with (out / f"{spec.name}-server.log").open("wb") as log:
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=server_env(spec, args),
+            cwd=REPO,
+            start_new_session=True,  # its own process group: paused and resumed as one
+        )
+    return process, url
+
+
+def pause(process: subprocess.Popen[bytes], paused: bool) -> None:
+    """SIGSTOP / SIGCONT a server's whole process group (vLLM runs its engine in a child
+    process whose idle loop keeps a core busy; a stopped server takes no CPU at all)."""
+    os.killpg(process.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+    if not paused:
+        time.sleep(PAUSE_SETTLE_S)
+
+
+def stop_server(process: subprocess.Popen[bytes]) -> None:
+    os.killpg(process.pid, signal.SIGCONT)
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def bench_server(spec: ServerSpec, args: argparse.Namespace, out: Path) -> None:
+    process, url = start_server(spec, args, out)
     try:
         wait_ready(process, url)
         warm_up(url, out, spec.name)
         for concurrency in args.concurrency:
             loadtest(url, out, spec, args, concurrency)
     except RuntimeError as exc:
-        print(f"{spec.name}: {exc}; see {log_path}", file=sys.stderr)
+        print(f"{spec.name}: {exc}; see {out / f'{spec.name}-server.log'}", file=sys.stderr)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_server(process)
+
+
+def bench_interleaved(args: argparse.Namespace) -> None:
+    """Every server up at once, then ``--interleave`` rounds in which each runs the load in
+    turn (the order rotates each round): on a VM whose memory bandwidth drifts by 1.5x
+    within minutes (seen on the AVX-512 machine), servers measured minutes apart are not
+    comparable, servers measured seconds apart in alternation are. Every server but the
+    one measured is paused (SIGSTOP), so idle loops cost the measured one nothing. Round r
+    is written to ``<out>/round<r>/`` with its own summary."""
+    specs = [SERVERS[name] for name in args.servers]
+    running = [(spec, *start_server(spec, args, args.out)) for spec in specs]
+    try:
+        for spec, process, url in running:
+            wait_ready(process, url)
+            warm_up(url, args.out, spec.name)
+            pause(process, True)
+        for round_index in range(args.interleave):
+            out = args.out / f"round{round_index + 1}"
+            out.mkdir(exist_ok=True)
+            shift = round_index % len(running)
+            for spec, process, url in running[shift:] + running[:shift]:
+                pause(process, False)
+                for concurrency in args.concurrency:
+                    loadtest(url, out, spec, args, concurrency)
+                pause(process, True)
+            print(write_summary(out), flush=True)
+    finally:
+        for _, process, _ in running:
+            stop_server(process)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -436,6 +493,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=[],
         help="an extra flag for every kvserve server (repeatable), e.g. --kvserve-arg=--foo=1",
     )
+    parser.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="start every server at once and run ROUNDS rounds, servers alternating "
+        "(0: one server at a time, as before)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     return parser.parse_args(argv)
 
@@ -444,6 +509,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "args.json").write_text(json.dumps(vars(args), default=str, indent=1))
+    if args.interleave > 0:
+        bench_interleaved(args)
+        return 0
     for name in args.servers:
         bench_server(SERVERS[name], args, args.out)
     summary = write_summary(args.out)

@@ -1,0 +1,76 @@
+"""Where a single-stream decode step goes: operators vs Python and dispatch.
+
+The embedded model in bf16 through ``EngineCore`` (no HTTP), one greedy request of a
+256-token prompt; after 100 warm-up steps, 200 steps run under torch's profiler. Reported:
+wall time per step, the operators' self time per step (every aten and kvserve op), and the
+rest (the Python of the engine and the model, and the dispatcher) as a share of the step.
+``--bf16-kernel off`` turns the few-row bf16 kernel off on the same engine (the "before").
+
+    PYTHONPATH=. .venv/bin/python bench/profile_decode_step.py --bf16-kernel on
+    PYTHONPATH=. .venv/bin/python bench/profile_decode_step.py --bf16-kernel off --top 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from engine.builder import build_engine
+from engine.config import EngineArgs
+from engine.model.quant_linear import DenseLinear
+from engine.request import Request, SamplingParams
+
+
+def bf16_kernel_layers(core: object) -> list[DenseLinear]:
+    """The model's dense layers that take the few-row bf16 kernel (none on a CPU without
+    AVX512_BF16: the builder only turns it on where it runs)."""
+    weights = core.runner.model.weights  # type: ignore[attr-defined]
+    linears = [weights.lm_head] + [
+        linear
+        for layer in weights.layers
+        for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+    ]
+    return [x for x in linears if isinstance(x, DenseLinear) and x.rowwise]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bf16-kernel", choices=["on", "off"], default="on")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--top", type=int, default=0, help="also print the N costliest ops")
+    args = parser.parse_args()
+    built = build_engine(
+        EngineArgs(dtype="bfloat16", enable_prefix_caching=False, max_step_time_ms=0)
+    )
+    core = built.core
+    layers = bf16_kernel_layers(core)
+    if not layers:
+        print("the bf16 kernel is not in use on this CPU (no AVX512_BF16): torch's path only")
+    for layer in layers:
+        layer.rowwise = args.bf16_kernel == "on"
+    params = SamplingParams(max_tokens=100 + args.steps + 1, temperature=0.0, ignore_eos=True)
+    prompt = list(range(100, 356))
+    core.add_request([Request("r", prompt, params, eos_token_ids=built.eos_token_ids)])
+    for _ in range(100):
+        core.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            core.step()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    ops = sum(event.self_cpu_time_total for event in events) / 1e6
+    per_step = 1e3 / args.steps
+    print(
+        f"bf16 kernel {args.bf16_kernel}: {wall * per_step:.2f} ms a step (profiled); "
+        f"operators {ops * per_step:.2f} ms; Python and dispatch "
+        f"{(wall - ops) * per_step:.2f} ms = {100 * (wall - ops) / wall:.0f}% of the step"
+    )
+    if args.top:
+        print(events.table(sort_by="self_cpu_time_total", row_limit=args.top))
+
+
+if __name__ == "__main__":
+    main()
