@@ -5,7 +5,9 @@ setup scripts' syntax and pins (building and installing the peers is not run her
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -116,3 +118,36 @@ def test_llama_server_build_targets_the_vendored_sources() -> None:
     text = (PEERS / "setup_llama_server.sh").read_text()
     assert "--no-binary :all:" in text and "vendor/llama.cpp" in text
     assert "-DGGML_NATIVE=ON" in text and "--target llama-server" in text
+
+
+def _state(pid: int) -> str:
+    """The process state letter from /proc (T = stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_interleaved_runs_pause_a_servers_whole_process_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--interleave SIGSTOPs every server but the measured one, children included (vLLM's
+    engine runs in a child process), and resumes it before its turn."""
+    assert compare_servers.parse_args(["--interleave", "3"]).interleave == 3
+    assert compare_servers.parse_args([]).interleave == 0
+    script = "import subprocess, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"
+    process = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    try:
+        deadline = 50
+        children: list[int] = []
+        while not children and deadline:
+            children_file = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+            children = [int(pid) for pid in children_file.read_text().split()]
+            deadline -= 1
+            subprocess.run(["sleep", "0.1"], check=True)
+        assert children, "the child process did not start"
+        compare_servers.pause(process, True)  # type: ignore[arg-type]
+        assert _state(process.pid) == "T" and _state(children[0]) == "T"
+        monkeypatch.setattr(compare_servers, "PAUSE_SETTLE_S", 0.0)
+        compare_servers.pause(process, False)  # type: ignore[arg-type]
+        assert _state(process.pid) != "T" and _state(children[0]) != "T"
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # the group: the child sleep too
+        process.wait()
