@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -120,9 +121,23 @@ def test_llama_server_build_targets_the_vendored_sources() -> None:
     assert "-DGGML_NATIVE=ON" in text and "--target llama-server" in text
 
 
-def _state(pid: int) -> str:
-    """The process state letter from /proc (T = stopped)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+def _stopped(pid: int) -> bool:
+    """Whether /proc says the process is stopped (T), waiting up to 2 s either way: a
+    signal is delivered asynchronously."""
+    for _ in range(200):
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state == "T":
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _running(pid: int) -> bool:
+    for _ in range(200):
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def test_interleaved_runs_pause_a_servers_whole_process_group(
@@ -144,10 +159,10 @@ def test_interleaved_runs_pause_a_servers_whole_process_group(
             subprocess.run(["sleep", "0.1"], check=True)
         assert children, "the child process did not start"
         compare_servers.pause(process, True)  # type: ignore[arg-type]
-        assert _state(process.pid) == "T" and _state(children[0]) == "T"
+        assert _stopped(process.pid) and _stopped(children[0])
         monkeypatch.setattr(compare_servers, "PAUSE_SETTLE_S", 0.0)
         compare_servers.pause(process, False)  # type: ignore[arg-type]
-        assert _state(process.pid) != "T" and _state(children[0]) != "T"
+        assert _running(process.pid) and _running(children[0])
     finally:
         os.killpg(process.pid, signal.SIGKILL)  # the group: the child sleep too
         process.wait()
