@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -328,16 +329,7 @@ def _with_bf16_rowwise(weights: LlamaWeights) -> LlamaWeights:
             return DenseLinear(linear.weight, linear.bias, rowwise=True)
         return linear
 
-    layers = [
-        dataclasses.replace(
-            layer,
-            qkv=rowwise(layer.qkv),
-            o_proj=rowwise(layer.o_proj),
-            gate_up=rowwise(layer.gate_up),
-            down=rowwise(layer.down),
-        )
-        for layer in weights.layers
-    ]
+    layers = [_map_projections(layer, rowwise) for layer in weights.layers]
     return dataclasses.replace(weights, layers=layers, lm_head=rowwise(weights.lm_head))
 
 
@@ -345,6 +337,11 @@ def _quantize_layer(layer: LayerWeights, method: str, rowwise: bool) -> LayerWei
     def convert(linear: Linear) -> Linear:
         return _to_int4(linear) if method == "int4" else _to_int8(linear, rowwise)
 
+    return _map_projections(layer, convert)
+
+
+def _map_projections(layer: LayerWeights, convert: Callable[[Linear], Linear]) -> LayerWeights:
+    """The layer with each of its four projections replaced by ``convert(projection)``."""
     return dataclasses.replace(
         layer,
         qkv=convert(layer.qkv),
