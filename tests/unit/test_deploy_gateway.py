@@ -1,10 +1,13 @@
-"""deploy/gateway/ checked offline: every custom resource against the vendored CRD schema
-(deploy/gateway/crds/, see its README for versions), the core objects against Kubernetes'
-schemas, and the wiring between pool, picker, route and the kvserve Deployment."""
+"""deploy/gateway/ checked offline: every custom resource against its vendored schema
+(deploy/gateway/crds/, see its README for versions and provenance), the core objects against
+Kubernetes' schemas, and the wiring between pool, picker, route and the kvserve Deployment."""
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import importlib.util
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +21,10 @@ GATEWAY = ROOT / "deploy" / "gateway"
 CRDS = GATEWAY / "crds"
 DEPLOYMENT = ROOT / "deploy" / "kubernetes" / "deployment.yaml"
 CORE_GROUPS = ("v1", "apps/v1", "rbac.authorization.k8s.io/v1", "networking.k8s.io/v1")
-# Gateway API's own CRDs (Gateway, HTTPRoute; 135 KB for HTTPRoute alone) are not vendored:
-# no PyPI or npm package ships them, and copying them by hand from stored repository copies
-# was out of this change's time. Those two are checked by the wiring tests below only.
-NOT_VENDORED = {"Gateway", "HTTPRoute"}
+# What @kubernetes-models/crd-generate put where the CRDs have `metadata: {type: object}`.
+OBJECT_META_REF = "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta#"
+# jsonschema's words for minLength/minItems/minProperties, before and since 4.21.
+NON_EMPTY = "should be non-empty|is too short|does not have enough properties"
 
 
 def gateway_documents() -> list[dict[str, Any]]:
@@ -50,8 +53,21 @@ def strict(schema: Any) -> Any:
     return out
 
 
+def without_object_meta_ref(schema: Any) -> Any:
+    """The npm schemas' one `$ref` (to ObjectMeta, in another package) back to what the
+    CRD itself says of `metadata`: an object; the API server validates metadata itself."""
+    if isinstance(schema, list):
+        return [without_object_meta_ref(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    if schema.get("$ref") == OBJECT_META_REF:
+        return {"type": "object"}
+    return {k: without_object_meta_ref(v) for k, v in schema.items()}
+
+
 def crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
-    """(apiVersion, kind) -> JSON schema, for every version of every vendored CRD."""
+    """(apiVersion, kind) -> JSON schema, for every vendored CRD version (YAML) and every
+    vendored schema file (JSON, one apiVersion and kind each)."""
     schemas = {}
     for path in sorted(CRDS.glob("*.yaml")):
         crd = yaml.safe_load(path.read_text())
@@ -59,6 +75,11 @@ def crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
         for version in crd["spec"]["versions"]:
             schema = strict(version["schema"]["openAPIV3Schema"])
             schemas[(f"{group}/{version['name']}", kind)] = schema
+    for path in sorted(CRDS.glob("*.json")):
+        schema = json.loads(path.read_text())
+        (api_version,) = schema["properties"]["apiVersion"]["enum"]
+        (kind,) = schema["properties"]["kind"]["enum"]
+        schemas[(api_version, kind)] = strict(without_object_meta_ref(schema))
     return schemas
 
 
@@ -72,26 +93,67 @@ def validate_custom(doc: dict[str, Any]) -> None:
 def test_every_custom_resource_validates_against_its_vendored_crd() -> None:
     schemas = crd_schemas()
     custom = [doc for doc in gateway_documents() if doc["apiVersion"] not in CORE_GROUPS]
-    kinds = {doc["kind"] for doc in custom}
-    assert kinds == {"InferencePool"} | NOT_VENDORED
+    assert {doc["kind"] for doc in custom} == {"InferencePool", "Gateway", "HTTPRoute"}
     for doc in custom:
-        if doc["kind"] in NOT_VENDORED:
-            continue
-        assert (doc["apiVersion"], doc["kind"]) in schemas, doc["kind"]
+        # The manifests use exactly the API versions of the vendored schemas.
+        assert (doc["apiVersion"], doc["kind"]) in schemas, (doc["apiVersion"], doc["kind"])
         validate_custom(doc)
 
 
 @pytest.mark.parametrize(
-    ("kind", "path", "value"),
+    ("kind", "path", "value", "why"),
     [
-        ("InferencePool", ("spec", "targetPorts"), [{"number": 0}]),
-        ("InferencePool", ("spec", "endpointPickerRef", "failureMode"), "FailSometimes"),
-        ("InferencePool", ("spec", "selectr"), {"matchLabels": {"a": "b"}}),
-        ("InferencePool", ("spec", "selector", "matchLabels"), {}),
-        ("InferencePool", ("spec", "endpointPickerRef", "port", "number"), 70000),
+        ("InferencePool", ("spec", "targetPorts"), [{"number": 0}], "less than the minimum"),
+        (
+            "InferencePool",
+            ("spec", "endpointPickerRef", "failureMode"),
+            "FailSometimes",
+            "not one of",
+        ),
+        (
+            "InferencePool",
+            ("spec", "selectr"),
+            {"matchLabels": {"a": "b"}},
+            "'selectr' was unexpected",
+        ),
+        ("InferencePool", ("spec", "selector", "matchLabels"), {}, NON_EMPTY),
+        (
+            "InferencePool",
+            ("spec", "endpointPickerRef", "port", "number"),
+            70000,
+            "greater than the max",
+        ),
+        ("HTTPRoute", ("spec", "rules", 0, "matches", 0, "path", "type"), "Prefix", "not one of"),
+        ("HTTPRoute", ("spec", "rules", 0, "timeouts", "request"), "10 minutes", "does not match"),
+        ("HTTPRoute", ("spec", "rules", 0, "timeouts", "request"), 600, "is not of type 'string'"),
+        (
+            "HTTPRoute",
+            ("spec", "rules", 0, "backendRefs", 0, "kind"),
+            "Inference Pool",
+            "does not match",
+        ),
+        (
+            "HTTPRoute",
+            ("spec", "rules", 0, "timeout"),
+            {"request": "600s"},
+            "'timeout' was unexpected",
+        ),
+        (
+            "HTTPRoute",
+            ("spec", "parentRefs"),
+            [{"kind": "Gateway"}],
+            "'name' is a required property",
+        ),
+        ("Gateway", ("spec", "listeners", 0, "port"), 0, "less than the minimum"),
+        ("Gateway", ("spec", "listeners", 0, "port"), "80", "is not of type 'integer'"),
+        ("Gateway", ("spec", "listeners", 0, "name"), "HTTP_1", "does not match"),
+        ("Gateway", ("spec", "gatewayClassName"), "", NON_EMPTY),
+        ("Gateway", ("spec", "listener"), [], "'listener' was unexpected"),
     ],
 )
-def test_the_crd_check_rejects_broken_resources(kind: str, path: tuple, value: Any) -> None:
+def test_the_crd_check_rejects_broken_resources(
+    kind: str, path: tuple, value: Any, why: str
+) -> None:
     import jsonschema
 
     doc = copy.deepcopy(one(kind))
@@ -99,17 +161,33 @@ def test_the_crd_check_rejects_broken_resources(kind: str, path: tuple, value: A
     for key in path[:-1]:
         node = node[key]
     node[path[-1]] = value
-    with pytest.raises(jsonschema.ValidationError):
+    with pytest.raises(jsonschema.ValidationError, match=why):
         validate_custom(doc)
 
 
-def test_missing_required_fields_are_rejected() -> None:
+@pytest.mark.parametrize(
+    ("kind", "path"),
+    [
+        ("InferencePool", ("spec", "endpointPickerRef")),
+        ("InferencePool", ("spec", "selector")),
+        ("Gateway", ("spec", "listeners")),
+        ("Gateway", ("spec", "gatewayClassName")),
+        ("Gateway", ("spec", "listeners", 0, "protocol")),
+        ("HTTPRoute", ("spec", "rules", 0, "backendRefs", 0, "name")),
+        ("HTTPRoute", ("spec", "parentRefs", 0, "name")),
+        ("HTTPRoute", ("spec",)),
+    ],
+)
+def test_missing_required_fields_are_rejected(kind: str, path: tuple) -> None:
     import jsonschema
 
-    pool = copy.deepcopy(one("InferencePool"))
-    del pool["spec"]["endpointPickerRef"]
-    with pytest.raises(jsonschema.ValidationError, match="endpointPickerRef"):
-        validate_custom(pool)
+    doc = copy.deepcopy(one(kind))
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    del node[path[-1]]
+    with pytest.raises(jsonschema.ValidationError, match=f"'{path[-1]}' is a required property"):
+        validate_custom(doc)
 
 
 @pytest.mark.parametrize("version", ["1.28.0", "latest"])
@@ -206,7 +284,39 @@ def test_the_picker_runs_restricted() -> None:
     assert context["readOnlyRootFilesystem"] is True
 
 
-def test_crds_readme_names_every_vendored_file() -> None:
+def test_crds_readme_names_every_vendored_file_with_its_sha256() -> None:
     readme = (CRDS / "README.md").read_text()
-    for path in CRDS.glob("*.yaml"):
+    vendored = sorted([*CRDS.glob("*.yaml"), *CRDS.glob("*.json")])
+    assert len(vendored) == 3
+    for path in vendored:
         assert path.name in readme, path.name
+        assert hashlib.sha256(path.read_bytes()).hexdigest() in readme, path.name
+
+
+def extract_module() -> Any:
+    spec = importlib.util.spec_from_file_location("extract", CRDS / "extract.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gateway_api_schemas_carry_extract_py_provenance() -> None:
+    """Each JSON file names extract.py's pinned package and module, the README its sha256,
+    and extract.py's parser reads the schema back from a module shaped like the package's.
+    (Byte equality with the package itself needs npm: run extract.py, then `git diff`.)"""
+    extract = extract_module()
+    readme = (CRDS / "README.md").read_text()
+    assert f"{extract.PACKAGE}@{extract.VERSION}" in readme
+    assert extract.SHA256 in readme
+    assert set(extract.MODULES.values()) == {path.name for path in CRDS.glob("*.json")}
+    for member, name in extract.MODULES.items():
+        schema = json.loads((CRDS / name).read_text())
+        comment = schema.pop("$comment")
+        assert f"{extract.PACKAGE}@{extract.VERSION}" in comment
+        assert member.removeprefix("package/") in comment
+        assert "$comment" not in json.dumps(schema)
+        module = (
+            f'const schemaId = "x";\nconst schema = {json.dumps(schema, indent=4)};\nclass X {{}}'
+        )
+        assert extract.schema_literal(module) == schema
