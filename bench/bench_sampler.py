@@ -40,12 +40,12 @@ def main() -> None:
     text = built.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     prompt = list(built.tokenizer.encode(text, add_special_tokens=False))
     run_load(built, prompt, 32, 32, grammar=False)  # warm-up
-    draws = {"exponential race": exponential_race, "inverse CDF": Sampler._draw}
+    draws = {"exponential race": exponential_race, "inverse CDF": Sampler.draw}
     rates: dict[str, list[float]] = {name: [] for name in draws}
     for repeat in range(3):
         order = list(draws) if repeat % 2 == 0 else list(reversed(draws))
         for name in order:
-            Sampler._draw = draws[name]  # type: ignore[method-assign]
+            Sampler.draw = draws[name]  # type: ignore[method-assign]
             seconds, _, tokens = run_load(built, prompt, 32, 32, grammar=False)
             rates[name].append(tokens / seconds)
             print(f"repeat {repeat} {name}: {tokens / seconds:.1f} out tok/s", flush=True)

@@ -330,6 +330,7 @@ def _wire(
         scheduling_policy=args.scheduling_policy,
         max_step_time_s=_max_step_time_s(args, device),
         max_step_time_ratio=args.max_step_time_ratio,
+        speculative=args.speculative_config,
     )
     return EngineCore(Scheduler(scheduler_config, cache_config, kv_shape), runner)
 

@@ -7,6 +7,8 @@ importable and testable without torch.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Literal
 
@@ -53,6 +55,67 @@ class CacheConfig:
         return int(self.watermark * self.num_device_blocks)
 
 
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculative/), in vLLM's ``--speculative-config`` shape.
+
+    ``ngram``: a decoding request proposes up to ``num_speculative_tokens`` tokens that
+    followed the most recent earlier occurrence of its last ``prompt_lookup_max`` ..
+    ``prompt_lookup_min`` tokens (longest first) in its own prompt and output; one forward
+    verifies them. Past ``disable_by_batch_size`` running requests nobody speculates: a
+    batch that already fills the step gains nothing from extra rows.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in [1, 16]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.prompt_lookup_max > 64:
+            raise ValueError("prompt_lookup_max must be <= 64")
+        if self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be >= 1")
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """Parse ``--speculative-config`` JSON; unknown keys and bad values raise
+        ``ValueError`` naming them. A lone ``prompt_lookup_max`` or ``_min`` sets the
+        other one too when the default would contradict it."""
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not JSON: {exc}") from exc
+        if not isinstance(fields, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(
+                f"--speculative-config: unknown keys {unknown}; known: {sorted(known)}"
+            )
+        for name, value in fields.items():
+            expected = str if name == "method" else int
+            if not isinstance(value, expected) or isinstance(value, bool):
+                raise ValueError(f"--speculative-config: {name} must be {expected.__name__}")
+        low, high = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
+        if low is not None and high is None:
+            fields["prompt_lookup_max"] = max(low, cls.prompt_lookup_max)
+        if high is not None and low is None:
+            fields["prompt_lookup_min"] = min(high, cls.prompt_lookup_min)
+        return cls(**fields)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Per-step budgets and the admission/preemption policies."""
@@ -80,6 +143,8 @@ class SchedulerConfig:
     # And, in a step with decodes, by this multiple of the decodes' own step (0 = none).
     max_step_time_ratio: float = 0.0
     min_prefill_tokens: int = 32
+    # Speculative decoding (None = off).
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
@@ -141,3 +206,5 @@ class EngineArgs:
     quantization: str = "none"
     # Norm / rotary / activation / attention kernels: auto | native (fused CPU ops) | torch.
     kernels: str = "auto"
+    # Speculative decoding (None = off); the CLI's --speculative-config JSON.
+    speculative_config: SpeculativeConfig | None = None

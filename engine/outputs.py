@@ -23,6 +23,10 @@ class ScheduledRequest:
     samples one token from the last position when ``sample`` is true (the step completes
     the prompt or is a decode step). ``output_token_ids`` and ``prompt_token_ids`` are
     references for penalties; the runner must not mutate them.
+
+    A speculative decode ends ``token_ids`` with ``num_draft_tokens`` proposed tokens
+    (engine/speculative/): the runner scores every position, keeps the drafts the model
+    agrees with and samples one token after them (``RunnerOutput.spec_token_ids``).
     """
 
     request_id: str
@@ -34,6 +38,11 @@ class ScheduledRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     seed: int | None = None
+    num_draft_tokens: int = 0
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens :]
 
     @property
     def num_new_tokens(self) -> int:
@@ -117,10 +126,18 @@ class PromptLogprobChunk:
 
 @dataclass
 class RunnerOutput:
-    """Sampled tokens for the scheduled requests whose ``sample`` flag was set."""
+    """Sampled tokens for the scheduled requests whose ``sample`` flag was set.
+
+    A request scheduled with draft tokens appears in ``spec_token_ids`` instead of
+    ``sampled_token_ids``: every token it emits this step, in order (the accepted drafts,
+    then the one sampled after them: 1 .. num_draft_tokens + 1 tokens), with their
+    logprobs in ``spec_logprobs`` when it asked for logprobs.
+    """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     # Constrained requests whose grammar is complete with this step's token: they finish
     # with STOP (whatever ignore_eos and min_tokens say).
     grammar_completed: set[str] = field(default_factory=set)
@@ -222,6 +239,12 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     steps_total: int = 0
+    # Speculative decoding: verifications run, draft tokens proposed, drafts accepted,
+    # and tokens emitted by verifications (accepted drafts plus one sampled each).
+    spec_drafts_total: int = 0
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    spec_emitted_tokens_total: int = 0
     # Prefix-cache tiers below the device (host, disk), top down; empty when off.
     tiers: tuple[TierStats, ...] = ()
     # Requests whose prefix is being loaded back from a tier (not computing).

@@ -20,6 +20,7 @@ from engine.model.memory import measured_memory
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.prompt_logprobs import score_prompts
 from engine.sampler import Sampler, SamplingRow
+from engine.speculative.verify import Verified, verify
 
 if TYPE_CHECKING:
     from engine.structured import GrammarCompiler, GrammarDecoding
@@ -64,7 +65,12 @@ class ModelRunner:
             return RunnerOutput()
         batch = _decodes_first(out.scheduled)
         hidden = self._hidden(batch)
-        result = self._sample(batch, self._sample_logits(batch, hidden))
+        plain = [r for r in batch if r.sample and not r.num_draft_tokens]
+        verifying = [r for r in batch if r.num_draft_tokens]
+        logits = self._sample_logits(batch, hidden)
+        result = self._sample(plain, logits[: len(plain)])
+        if verifying:
+            _add_verified(result, verify(self.sampler, logits[len(plain) :], verifying))
         if any(r.sampling_params.prompt_logprobs is not None for r in batch):
             result.prompt_logprobs = score_prompts(batch, hidden, self.model.logits)
         return result
@@ -89,21 +95,28 @@ class ModelRunner:
         return model.forward(token_ids, meta, self.cache)
 
     def _sample_logits(self, batch: list[ScheduledRequest], hidden: torch.Tensor) -> torch.Tensor:
-        """Logits ``[sampled rows, vocab]`` for the requests in ``batch`` that sample."""
+        """Logits of the rows that sample: the last row of each plain request that samples,
+        then every verified row (the last real token and each draft) of the requests that
+        verify drafts, in ``batch`` order within each group."""
         model = self.model
-        last_rows: list[int] = []
+        plain_rows: list[int] = []
+        verified_rows: list[int] = []
         end = 0
         for request in batch:
             end += request.num_new_tokens
-            if request.sample:
-                last_rows.append(end - 1)
-        if not last_rows:
+            if request.num_draft_tokens:
+                verified_rows += range(end - request.num_draft_tokens - 1, end)
+            elif request.sample:
+                plain_rows.append(end - 1)
+        rows = plain_rows + verified_rows
+        if not rows:
             return hidden.new_empty(0, model.spec.vocab_size, dtype=torch.float32)
-        if len(last_rows) < hidden.shape[0]:
-            hidden = hidden[torch.tensor(last_rows, device=hidden.device)]
+        if len(rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(rows, device=hidden.device)]
         return model.logits(hidden)
 
     def _sample(self, batch: list[ScheduledRequest], logits: torch.Tensor) -> RunnerOutput:
+        """Sample one token for each request of ``batch`` (all sample; one logits row each)."""
         rows = [
             SamplingRow(
                 request_id=r.request_id,
@@ -113,7 +126,6 @@ class ModelRunner:
                 seed=r.seed,
             )
             for r in batch
-            if r.sample
         ]
         result = RunnerOutput()
         if not rows:
@@ -148,6 +160,13 @@ class ModelRunner:
             for r in rows
         ]
         return logits, rows
+
+
+def _add_verified(result: RunnerOutput, verified: dict[str, Verified]) -> None:
+    for request_id, outcome in verified.items():
+        result.spec_token_ids[request_id] = outcome.token_ids
+        if outcome.logprobs is not None:
+            result.spec_logprobs[request_id] = outcome.logprobs
 
 
 def _grammar_decoding(compiler: GrammarCompiler | None) -> GrammarDecoding | None:

@@ -67,16 +67,17 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         logits = logits.to(torch.float32)
-        raw_logprobs = _raw_logprobs(logits, rows)
-        logits = self._process(logits, rows)
+        raw = raw_logprobs(logits, rows)
+        logits = self.process(logits, rows)
         tokens = self._choose(logits, rows)
         token_list: list[int] = tokens.tolist()
-        logprobs = _gather_logprobs(raw_logprobs, tokens, rows) if raw_logprobs is not None else []
+        logprobs = gather_logprobs(raw, tokens, rows) if raw is not None else []
         return SampleResult(token_list, logprobs or [None] * len(rows))
 
     # -- logit processing ------------------------------------------------------------------
 
-    def _process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Penalties, logit bias and the min_tokens mask (float32 logits in and out)."""
         if any(r.params.needs_penalties for r in rows):
             logits = apply_penalties(logits, rows, self._penalties)
         if any(r.params.logit_bias for r in rows):
@@ -118,25 +119,30 @@ class Sampler:
         )
         probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
         probs = apply_truncation(probs, rows)
-        sampled = self._draw(probs, rows)
+        sampled = self.draw(probs, rows)
         if not any(greedy):
             return sampled
         greedy_mask = torch.tensor(greedy, device=device)
         return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
 
-    def _draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """One token per row from ``probs`` (rows need not sum to one), by inverse CDF."""
-        device = probs.device
+        uniform = self.uniforms(rows, probs.device)
+        cdf = probs.to(torch.float64).cumsum_(dim=-1)
+        target = (uniform * cdf[:, -1]).unsqueeze(1)
+        tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
+        return tokens.clamp_(max=probs.shape[-1] - 1)
+
+    def uniforms(self, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+        """One uniform float64 per row in [0, 1): from the row's own generator when it is
+        seeded (and not greedy), else from the sampler's shared one."""
         uniform = torch.empty(len(rows), dtype=torch.float64, device=device)
         uniform.uniform_(generator=self._shared_generator(device))
         for i, row in enumerate(rows):
             if row.seed is not None and not row.params.greedy:
                 generator = self._generator_for(row, device)
                 uniform[i] = torch.rand((), dtype=torch.float64, generator=generator, device=device)
-        cdf = probs.to(torch.float64).cumsum_(dim=-1)
-        target = (uniform * cdf[:, -1]).unsqueeze(1)
-        tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
-        return tokens.clamp_(max=probs.shape[-1] - 1)
+        return uniform
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         generator = self._shared.get(device)
@@ -273,13 +279,13 @@ def _min_p(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
-def _raw_logprobs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
+def raw_logprobs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
     if all(r.params.logprobs is None for r in rows):
         return None
     return torch.log_softmax(logits, dim=-1)
 
 
-def _gather_logprobs(
+def gather_logprobs(
     logprobs: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]
 ) -> list[TokenLogprob | None]:
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()

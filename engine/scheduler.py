@@ -50,6 +50,7 @@ from engine.outputs import (
     SchedulerOutput,
 )
 from engine.request import Request, RequestStatus
+from engine.speculative.drafts import Speculator
 from engine.step_cost import StepCost, prefill_token_budget
 
 WRITE_AHEAD_STEPS = 4
@@ -79,9 +80,10 @@ class _Step:
             return min(remaining, self.budget)
         return min(remaining, self.budget, self.prefill_budget)
 
-    def charge(self, num_new: int) -> None:
+    def charge(self, num_new: int, num_drafts: int = 0) -> None:
+        """A decode verifying drafts spends token budget only: it is still one decode."""
         self.budget -= num_new
-        if num_new > 1:
+        if num_new - num_drafts > 1:
             self.prefill_budget -= num_new
 
 
@@ -122,6 +124,8 @@ class Scheduler:
         self._unscheduled: deque[Request] = deque()
         self._arrivals = itertools.count()  # tie-break of equal queue keys: add order
         self._step_cost = StepCost()
+        spec = scheduler_config.speculative
+        self.speculator = Speculator(spec) if spec is not None else None
 
     # -- requests in and out -----------------------------------------------------------------
 
@@ -344,6 +348,8 @@ class Scheduler:
             num_new = step.chunk(request.num_tokens - request.num_computed_tokens)
             if num_new == 0:
                 continue  # a prefill past this step's prefill budget waits a step
+            if self._schedule_drafts(step, request, num_new):
+                continue
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self._pick_victim()
                 self._preempt(victim, step)
@@ -351,6 +357,22 @@ class Scheduler:
                     break
             else:
                 self._add_to_step(step, request, num_new)
+
+    def _schedule_drafts(self, step: _Step, request: Request, num_new: int) -> bool:
+        """Schedule ``request``'s decode with draft tokens when it speculates and their
+        slots fit without preempting anyone; False: schedule it plainly (under memory
+        pressure speculation simply turns off)."""
+        if self.speculator is None or num_new != 1 or not request.output_token_ids:
+            return False
+        if request.group_id in self._unforked:
+            return False
+        drafts = self.speculator.drafts(
+            request, len(self.running), step.budget, self.config.max_model_len
+        )
+        if not drafts or self.kv.allocate_slots(request, 1 + len(drafts)) is None:
+            return False
+        self._add_to_step(step, request, 1, drafts)
+        return True
 
     def _pick_victim(self) -> Request:
         """The last by queue key: lowest priority (highest value, under ``priority``),
@@ -598,12 +620,17 @@ class Scheduler:
             request.num_cached_tokens = num_hit
             self._counters.prompt_tokens += request.num_prompt_tokens
 
-    def _add_to_step(self, step: _Step, request: Request, num_new: int) -> None:
+    def _add_to_step(
+        self, step: _Step, request: Request, num_new: int, drafts: list[int] | None = None
+    ) -> None:
         start = request.num_computed_tokens
         end = start + num_new
+        token_ids = request.all_token_ids[start:end]
+        if drafts:
+            token_ids += drafts
         step.scheduled[request.request_id] = ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
+            token_ids=token_ids,
             num_computed_tokens=start,
             block_ids=self.kv.tables[request.request_id],
             sample=end == len(request.all_token_ids) and not request.sampling_params.prefill_only,
@@ -611,8 +638,9 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             seed=request.seed,
+            num_draft_tokens=len(drafts) if drafts else 0,
         )
-        step.charge(num_new)
+        step.charge(len(token_ids), len(drafts) if drafts else 0)
 
     # -- results -------------------------------------------------------------------------------
 
@@ -625,8 +653,10 @@ class Scheduler:
             request = self._requests.get(scheduled.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted since the step was built
-            num_new = len(scheduled.token_ids)
+            num_new = self._computed_by_step(scheduled, result)
             request.num_computed_tokens += num_new
+            if scheduled.num_draft_tokens:
+                self.kv.trim(request)  # roll back the slots of rejected drafts
             if request.num_computed_tokens % self.block_size < num_new:  # a block filled up
                 self.kv.cache_computed_blocks(request)
             chunks = result.prompt_logprobs.get(request.request_id)
@@ -639,7 +669,7 @@ class Scheduler:
                 continue
             if request.group_id in self._unforked:
                 self._fork_children(request)
-            delta = self._append_sample(request, result)
+            delta = self._append_sample(request, result, scheduled.num_draft_tokens)
             any_finished |= delta.finished
             deltas.append(delta)
         if any_finished:
@@ -647,31 +677,65 @@ class Scheduler:
         self._counters.steps += 1
         return deltas
 
-    def _append_sample(self, request: Request, result: RunnerOutput) -> RequestDelta:
+    @staticmethod
+    def _computed_by_step(scheduled: ScheduledRequest, result: RunnerOutput) -> int:
+        """Tokens whose K/V the step left valid: all it scheduled, less the rejected
+        drafts (a verification emits the accepted drafts and one token after them)."""
+        num_new = len(scheduled.token_ids)
+        if not scheduled.num_draft_tokens:
+            return num_new
+        emitted = len(result.spec_token_ids[scheduled.request_id])
+        return num_new - scheduled.num_draft_tokens + emitted - 1
+
+    def _append_sample(
+        self, request: Request, result: RunnerOutput, num_drafts: int = 0
+    ) -> RequestDelta:
+        """Append what the step sampled for ``request``: one token, or a verification's
+        accepted drafts and the token after them, cut at the first that stops it."""
         rid = request.request_id
-        token = result.sampled_token_ids[rid]
-        request.append_output_token(token)
-        self._counters.generation_tokens += 1
-        logprob = result.logprobs.get(rid)
+        tokens = result.spec_token_ids.get(rid)
+        if tokens is None:
+            tokens = [result.sampled_token_ids[rid]]
+            logprob = result.logprobs.get(rid)
+            logprobs = None if logprob is None else [logprob]
+        else:
+            logprobs = result.spec_logprobs.get(rid)
+            self._count_verification(num_drafts, len(tokens))
         delta = RequestDelta(
             request_id=rid,
             group_id=request.group_id,
             index=request.index,
-            new_token_ids=[token],
-            logprobs=None if logprob is None else [logprob],
+            new_token_ids=[],
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
-            num_output_tokens=len(request.output_token_ids),
         )
+        status = None
+        for token in tokens:
+            request.append_output_token(token)
+            delta.new_token_ids.append(token)
+            status = self._stop_status(request, token, rid in result.grammar_completed)
+            if status is not None:
+                break
+        self._counters.generation_tokens += len(delta.new_token_ids)
+        if logprobs is not None:
+            delta.logprobs = logprobs[: len(delta.new_token_ids)]
+        delta.num_output_tokens = request.num_output_tokens
         if request.num_output_tokens == 1 and request.sampling_params.prompt_logprobs is not None:
             delta.prompt_logprobs = list(request.prompt_logprobs)
-        status = self._stop_status(request, token, rid in result.grammar_completed)
         if status is not None:
             delta.ended_on_stop_token = status is RequestStatus.FINISHED_STOPPED and _is_stop_token(
-                request, token
+                request, delta.new_token_ids[-1]
             )
             self._finish(request, delta, status)
         return delta
+
+    def _count_verification(self, num_drafts: int, num_emitted: int) -> None:
+        """Speculation counters of one verification (emitted before any stop cut)."""
+        counters = self._counters
+        counters.spec_drafts += 1
+        counters.spec_draft_tokens += num_drafts
+        counters.spec_accepted_tokens += num_emitted - 1
+        counters.spec_emitted_tokens += num_emitted
 
     def _finish(self, request: Request, delta: RequestDelta, status: RequestStatus) -> None:
         delta.finish_reason = status.finish_reason
@@ -737,6 +801,8 @@ class Scheduler:
     def _retire(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request)
+        if self.speculator is not None:
+            self.speculator.forget(request.request_id)
         del self._requests[request.request_id]
         self._finished_ids.append(request.request_id)
 

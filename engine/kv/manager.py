@@ -219,6 +219,20 @@ class KVCacheManager:
             new_ids.append(dst)
         return new_ids
 
+    def trim(self, request: Request) -> None:
+        """Give back the blocks past the request's computed tokens: the slots of draft
+        tokens the model rejected (speculative decoding). They were allocated for this
+        step's drafts, hold nothing computed and were never registered in the prefix
+        cache (only computed full blocks are), so they simply return to the pool."""
+        table = self.tables.get(request.request_id)
+        if table is None:
+            return
+        keep = blocks_for_tokens(request.num_computed_tokens, self.block_size)
+        if len(table) > keep:
+            extra = table[keep:]
+            del table[keep:]
+            self.device.free(reversed(extra))
+
     def take_copies(self) -> list[BlockPair]:
         """Copy-on-write pairs emitted since the last call, for the scheduler output."""
         pairs = [pair for pairs in self._copies.values() for pair in pairs]

@@ -27,6 +27,10 @@ class StatsCounters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,10 @@ def snapshot(
         prompt_tokens_total=counters.prompt_tokens,
         generation_tokens_total=counters.generation_tokens,
         steps_total=counters.steps,
+        spec_drafts_total=counters.spec_drafts,
+        spec_draft_tokens_total=counters.spec_draft_tokens,
+        spec_accepted_tokens_total=counters.spec_accepted_tokens,
+        spec_emitted_tokens_total=counters.spec_emitted_tokens,
         tiers=kv.tiers.stats(shape, kv.block_size) if kv.tiers is not None else (),
         num_loading=queues.loading,
     )

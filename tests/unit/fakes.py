@@ -17,7 +17,7 @@ from hashlib import blake2b
 
 from engine.config import SchedulerConfig
 from engine.core import EngineCore
-from engine.outputs import RunnerOutput, SchedulerOutput
+from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.request import Request, SamplingParams
 
 
@@ -63,10 +63,25 @@ class FakeKVRunner:
                 self._write(req.block_ids, req.num_computed_tokens + offset, token)
         result = RunnerOutput()
         for req in scheduler_output.scheduled:
-            if req.sample:
+            if req.num_draft_tokens:
+                result.spec_token_ids[req.request_id] = self._verify(req)
+            elif req.sample:
                 prefix = [self._read(req.block_ids, pos) for pos in range(req.context_len)]
                 result.sampled_token_ids[req.request_id] = self.model.next_token(prefix, req.seed)
         return result
+
+    def _verify(self, req: ScheduledRequest) -> list[int]:
+        """Greedy verification: keep drafts while each is the model's next token for the
+        prefix read back from the blocks, then add the model's token after them."""
+        first = req.context_len - req.num_draft_tokens  # the prefix before the first draft
+        emitted = []
+        for i, draft in enumerate([*req.draft_token_ids, None]):
+            prefix = [self._read(req.block_ids, pos) for pos in range(first + i)]
+            token = self.model.next_token(prefix, req.seed)
+            emitted.append(token)
+            if token != draft:
+                break
+        return emitted
 
     def _write(self, block_ids: list[int], position: int, token: int) -> None:
         self.device[block_ids[position // self.block_size]][position % self.block_size] = token
