@@ -24,6 +24,7 @@ from engine.config import (
     PREEMPTION_MODES,
     SCHEDULING_POLICIES,
     EngineArgs,
+    SpeculativeConfig,
 )
 from server.cli_frontend import add_frontend_arguments, frontend_settings
 from server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
@@ -104,6 +105,15 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="a step with decodes may take at most this many times what its decodes alone "
         "take at the measured cost, bounding the longest inter-token gap to a multiple of "
         "the typical one (0 = off; under --max-step-time-ms either way)",
+    )
+    sched.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        help="speculative decoding as JSON, vLLM's shape: "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2, "disable_by_batch_size": 8}\' (those are the defaults of '
+        "omitted keys; off when not given)",
     )
     http = p.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1")
@@ -193,8 +203,16 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         scheduling_policy=args.scheduling_policy,
         max_step_time_ms=args.max_step_time_ms,
         max_step_time_ratio=args.max_step_time_ratio,
+        speculative_config=args.speculative_config,
         seed=args.seed,
     )
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.from_json(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def settings_from(args: argparse.Namespace) -> ServerSettings:

@@ -272,6 +272,40 @@ class EngineStatsCollector(Collector):
             preemptions.add_metric([self._model, mode], count)
         yield preemptions
         yield from self._swap_families(stats)
+        yield from self._spec_families(stats)
+
+    def _spec_families(self, stats: EngineStats) -> Iterator[Metric]:
+        """Speculative decoding: the counters, and the two ratios dashboards want
+        (lifetime; for a window, divide the counters' rates)."""
+        yield self._counter(
+            "spec_decode_num_drafts", "Draft verifications run.", stats.spec_drafts_total
+        )
+        yield self._counter(
+            "spec_decode_num_draft_tokens",
+            "Draft tokens proposed.",
+            stats.spec_draft_tokens_total,
+        )
+        yield self._counter(
+            "spec_decode_num_accepted_tokens",
+            "Draft tokens accepted.",
+            stats.spec_accepted_tokens_total,
+        )
+        yield self._counter(
+            "spec_decode_num_emitted_tokens",
+            "Tokens emitted by verifications (accepted drafts plus one sampled each).",
+            stats.spec_emitted_tokens_total,
+        )
+        drafted, verifications = stats.spec_draft_tokens_total, stats.spec_drafts_total
+        yield self._gauge(
+            "spec_decode_acceptance_rate",
+            "Accepted / proposed draft tokens since start (0 before any draft).",
+            stats.spec_accepted_tokens_total / drafted if drafted else 0.0,
+        )
+        yield self._gauge(
+            "spec_decode_mean_accepted_length",
+            "Tokens emitted per verification since start (0 before any).",
+            stats.spec_emitted_tokens_total / verifications if verifications else 0.0,
+        )
 
     def _swap_families(self, stats: EngineStats) -> Iterator[Metric]:
         swapped = (("out", stats.blocks_swapped_out_total), ("in", stats.blocks_swapped_in_total))
