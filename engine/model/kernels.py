@@ -18,10 +18,14 @@ Contracts shared by both (``qkv`` is the fused projection output, ``[tokens, q +
   (``meta.prefills``, after ``write_kv`` stored them) causally to their cached prefix and
   each other, returning ``[prefill rows, heads * head_dim]``.
 
-``select_kernels`` picks a backend from the ``--kernels`` flag (auto | native | torch).
+``select_kernels`` picks a backend from the ``--kernels`` flag (auto | native | torch |
+triton). On CUDA, auto means ``TritonKernels`` (engine/model/triton_kernels.py: Triton
+attention and KV write) when triton imports, else torch.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +40,8 @@ from engine.model.kv_cache import PagedKVCache
 from engine.model.native import load_native_ops, native_ops_error
 from engine.model.spec import ModelSpec
 
-KERNEL_CHOICES: tuple[str, ...] = ("auto", "native", "torch")
+logger = logging.getLogger(__name__)
+KERNEL_CHOICES: tuple[str, ...] = ("auto", "native", "torch", "triton")
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # KV storage the native attention reads directly (int8 with its per-token scales).
 _NATIVE_CACHE_DTYPES = (*_NATIVE_DTYPES, torch.int8)
@@ -241,9 +246,12 @@ class NativeKernels(TorchKernels):
 
 
 def select_kernels(choice: str, device: torch.device, dtype: torch.dtype) -> TorchKernels:
-    """The backend for ``--kernels``: auto uses the native ops on the CPU when they build."""
+    """The backend for ``--kernels``: auto uses the native ops on the CPU when they build
+    and the Triton kernels on CUDA when triton is installed."""
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"--kernels must be one of {list(KERNEL_CHOICES)}, not {choice!r}")
+    if choice == "triton" or (choice == "auto" and device.type == "cuda"):
+        return _triton_kernels(device, required=choice == "triton")
     native_possible = device.type == "cpu" and dtype in _NATIVE_DTYPES
     if choice == "torch" or (choice == "auto" and not native_possible):
         return TorchKernels()
@@ -254,3 +262,16 @@ def select_kernels(choice: str, device: torch.device, dtype: torch.dtype) -> Tor
     if choice == "auto" and not load_native_ops():
         return TorchKernels()
     return NativeKernels()
+
+
+def _triton_kernels(device: torch.device, required: bool) -> TorchKernels:
+    """TritonKernels, imported lazily (a CPU-only process never loads triton); without
+    triton, torch's kernels unless ``--kernels triton`` asked for it by name."""
+    try:
+        from engine.model.triton_kernels import TritonKernels
+    except ImportError as exc:
+        if required:
+            raise ValueError(f"--kernels triton needs triton installed: {exc}") from exc
+        logger.warning("triton is not installed (%s); using the torch kernels", exc)
+        return TorchKernels()
+    return TritonKernels(device)

@@ -1,0 +1,125 @@
+"""The CUDA backend: attention and the KV write in Triton, the rest in torch.
+
+``TritonKernels`` keeps ``TorchKernels``' norms, rotary and activation (single eager ops
+on a GPU) and replaces what the torch backend does worst there: decode attention no longer
+gathers a padded copy of every request's context per layer, and prefill chunks are no
+longer attended one request at a time behind a boolean mask. Both go through
+``unified_attention``, which reads K/V (bf16/fp16/fp32, int8 or fp8 with their scales)
+straight from the block tables. The kernels also run on the CPU under TRITON_INTERPRET=1,
+which is how the CPU test suite checks this backend end to end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.attention import AttentionMetadata
+from engine.model.kernels import TorchKernels
+from engine.model.kv_cache import PagedKVCache
+from engine.model.spec import ModelSpec
+from engine.model.triton_attention import choose_num_splits, interpreting, unified_attention
+from engine.model.triton_kv_write import write_kv
+
+# Streaming multiprocessors assumed when there is no GPU to ask (interpreter runs).
+_SMS_WITHOUT_GPU = 8
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Whether the Triton kernels can run on ``device``: CUDA, or the CPU interpreter."""
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
+
+
+class TritonKernels(TorchKernels):
+    """Triton attention and KV write (engine/model/triton_*.py) over torch's elementwise ops."""
+
+    name = "triton"
+
+    def __init__(self, device: torch.device):
+        if not triton_usable(device):
+            raise ValueError(
+                "--kernels triton runs on CUDA (or on the CPU under TRITON_INTERPRET=1, "
+                f"for tests), not on {device.type}"
+            )
+        self.num_sms = _SMS_WITHOUT_GPU
+        if device.type == "cuda":
+            self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def write_kv(
+        self,
+        cache: PagedKVCache,
+        layer: int,
+        qkv: torch.Tensor,
+        slots: torch.Tensor,
+        spec: ModelSpec,
+    ) -> None:
+        key, value = cache.layer(layer)
+        write_kv(qkv, slots, key, value, spec.num_heads, *cache.layer_scales(layer))
+
+    def decode_attention(
+        self,
+        cache: PagedKVCache,
+        layer: int,
+        qkv: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: ModelSpec,
+        scale: float,
+    ) -> torch.Tensor:
+        assert meta.decode_block_table is not None and meta.decode_context_lens is not None
+        rows = meta.num_decodes
+        query = _query_heads(qkv[:rows], spec)
+        out = qkv.new_empty(rows, spec.num_heads, spec.head_dim)
+        # The padded table's width bounds every context: a host-side number, no sync.
+        longest = meta.decode_block_table.shape[1] * cache.block_size
+        splits = choose_num_splits(rows, spec.num_kv_heads, longest, self.num_sms)
+        key, value = cache.layer(layer)
+        key_scale, value_scale = cache.layer_scales(layer)
+        unified_attention(
+            out,
+            query,
+            key,
+            value,
+            meta.decode_block_table,
+            meta.decode_context_lens,
+            scale,
+            num_splits=splits,
+            key_scale=key_scale,
+            value_scale=value_scale,
+        )
+        return out.view(rows, spec.q_size)
+
+    def prefill_attention(
+        self,
+        cache: PagedKVCache,
+        layer: int,
+        qkv: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: ModelSpec,
+        scale: float,
+    ) -> torch.Tensor:
+        tables = meta.prefill_tables
+        assert tables is not None
+        rows = qkv[meta.num_decodes :]
+        out = qkv.new_empty(rows.shape[0], spec.num_heads, spec.head_dim)
+        starts = tables.query_starts
+        seq_lens = tables.num_computed + (starts[1:] - starts[:-1])
+        key, value = cache.layer(layer)
+        key_scale, value_scale = cache.layer_scales(layer)
+        unified_attention(
+            out,
+            _query_heads(rows, spec),
+            key,
+            value,
+            tables.block_table,
+            seq_lens,
+            scale,
+            query_starts=starts,
+            max_query_len=max(span.end - span.start for span in meta.prefills),
+            key_scale=key_scale,
+            value_scale=value_scale,
+        )
+        return out.view(rows.shape[0], spec.q_size)
+
+
+def _query_heads(qkv: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """The query heads of qkv rows as a strided ``[rows, heads, head_dim]`` view (no copy)."""
+    return qkv[:, : spec.q_size].unflatten(1, (spec.num_heads, spec.head_dim))

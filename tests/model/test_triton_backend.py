@@ -1,0 +1,103 @@
+"""The Triton backend (TritonKernels, CUDA's default) end to end through the model and the
+engine, on the CPU under TRITON_INTERPRET: logits equal transformers', quantized caches
+read as the torch backend reads them, greedy output equals the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model.triton_setup import DEVICE  # isort: skip  (sets TRITON_INTERPRET first)
+from engine.config import CacheConfig, SchedulerConfig
+from engine.model.kernels import NativeKernels, TorchKernels, select_kernels
+from engine.model.loader import model_from_reference
+from engine.model.triton_kernels import TritonKernels
+from tests.model.engine_helpers import greedy, make_core, reference_greedy, run_all
+from tests.model.paged import BlockTables, make_cache, run_step
+
+ATOL = 1e-4
+
+
+def reference_logits(reference, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return reference(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.fixture(scope="module")
+def triton_kernels() -> TritonKernels:
+    return TritonKernels(DEVICE)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_chunked_prefill_and_mixed_decodes_match_transformers(
+    tiny_llama_factory, triton_kernels, block_size
+):
+    _, reference = tiny_llama_factory(num_heads=4, num_kv_heads=2)
+    model = model_from_reference(reference.to(DEVICE)).replace(kernels=triton_kernels)
+    cache = make_cache(model, num_blocks=64, block_size=block_size)
+    tables = BlockTables(64, seed=5)
+    first, second = [5, 6, 7, 8, 9, 10, 11, 12, 13], [100, 101, 102]
+    blocks = [tables.allocate(len(first) + 2, block_size), tables.allocate(8, block_size)]
+    run_step(model, cache, [first[:4]], [0], [blocks[0]])
+    # A chunk starting inside a block, and a fresh prefill beside it.
+    logits = run_step(model, cache, [first[4:], second], [4, 0], blocks)
+    expected = torch.cat(
+        [reference_logits(reference, first)[4:], reference_logits(reference, second)]
+    )
+    torch.testing.assert_close(logits.cpu(), expected, atol=ATOL, rtol=0)
+    # A decode and a prefill chunk in one forward.
+    logits = run_step(model, cache, [[33], [7, 8]], [len(first), len(second)], blocks)
+    expected = torch.cat(
+        [
+            reference_logits(reference, [*first, 33])[-1:],
+            reference_logits(reference, [*second, 7, 8])[-2:],
+        ]
+    )
+    torch.testing.assert_close(logits.cpu(), expected, atol=ATOL, rtol=0)
+
+
+# Max |logit error| relative to the logits' spread through a quantized cache (the bounds
+# tests/model/test_kv_quant.py holds the torch and native backends to).
+RELATIVE_BOUND = {"int8": 0.05, "fp8": 0.2}
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantized_cache_logits_stay_close_to_full_precision(
+    tiny_llama_factory, triton_kernels, kv_dtype
+):
+    """The torch backend attends a fresh prefill to unquantized K/V, Triton reads the
+    cache it just wrote, so they differ by the quantization error: bound it."""
+    _, reference = tiny_llama_factory(num_heads=4, num_kv_heads=1)
+    model = model_from_reference(reference.to(DEVICE)).replace(kernels=triton_kernels)
+    cache = make_cache(model, num_blocks=32, block_size=4, kv_dtype=kv_dtype)
+    blocks = [BlockTables(32, seed=2).allocate(16, 4)]
+    prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11]
+    logits = [run_step(model, cache, [prompt[:6]], [0], blocks)]
+    for position in range(6, len(prompt)):
+        logits.append(run_step(model, cache, [[prompt[position]]], [position], blocks))
+    expected = reference_logits(reference, prompt)
+    error = (torch.cat(logits).cpu() - expected).abs().max()
+    assert error < RELATIVE_BOUND[kv_dtype] * expected.std()
+
+
+def test_engine_greedy_output_equals_reference(tiny_llama_factory, triton_kernels):
+    _, reference = tiny_llama_factory(num_heads=4, num_kv_heads=2)
+    prompts = {"a": [5, 9, 17, 33, 65, 129, 7], "b": [42] * 11, "c": [8, 9, 10]}
+    expected = {rid: reference_greedy(reference, p, 6) for rid, p in prompts.items()}
+    model = model_from_reference(reference.to(DEVICE)).replace(kernels=triton_kernels)
+    # A small token budget: prompts arrive in chunks beside other requests' decodes.
+    scheduler = SchedulerConfig(max_model_len=32, max_num_batched_tokens=8)
+    core = make_core(model, CacheConfig(num_device_blocks=24, block_size=4), scheduler)
+    assert run_all(core, prompts, {rid: greedy(6) for rid in prompts}) == expected
+
+
+def test_cpu_auto_choice_is_unchanged():
+    chosen = select_kernels("auto", torch.device("cpu"), torch.float32)
+    assert isinstance(chosen, NativeKernels | TorchKernels)
+    assert not isinstance(chosen, TritonKernels)
+
+
+def test_triton_on_the_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        select_kernels("triton", torch.device("cpu"), torch.float32)
