@@ -10,7 +10,7 @@
 #   bench/gpu_check.sh --dry-run  # anywhere: everything that needs no CUDA, then stops
 #
 # Without a GPU it runs as a dry run on its own. Settings (environment):
-#   GPU_VENV         venv to create or reuse            (default .venv-gpu)
+#   GPU_VENV         venv to create or reuse            (default build/venv-gpu, ignored)
 #   TORCH_INDEX_URL  where the CUDA torch comes from    (default the cu128 index)
 #   WHEELHOUSE       a folder of wheels: install offline from it (--no-index)
 #   RESULTS_DIR      where logs and JSON go             (default $OUT or bench/results/gpu_check)
@@ -29,7 +29,7 @@ START=$(date +%s)
 stage() { echo; echo "== [$(( $(date +%s) - START ))s] $*"; }
 
 install_cuda_env() {
-    local venv=${GPU_VENV:-.venv-gpu}
+    local venv=${GPU_VENV:-build/venv-gpu}
     local index=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cu128}
     local source=(--index-url "$index")
     [[ -n "${WHEELHOUSE:-}" ]] && source=(--no-index --find-links "$WHEELHOUSE")
@@ -61,7 +61,8 @@ print("torch", torch.__version__, "| triton", triton.__version__,
       torch.cuda.get_device_name() if torch.cuda.is_available() else "none")'
 
 TRITON_TESTS=(tests/model/test_triton_attention.py tests/model/test_triton_kv_write.py
-              tests/model/test_triton_backend.py tests/model/test_cuda_graphs.py)
+              tests/model/test_triton_backend.py tests/model/test_cuda_graphs.py
+              tests/model/test_cuda_runner.py)
 FAILED=()
 stage "pytest -m cuda"
 timeout 240 "$PY" -m pytest -m cuda tests -q -p no:cacheprovider 2>&1 \

@@ -4,7 +4,8 @@ A decode step's inputs (token id, position, cache slot, context length and block
 row of every request) are written into one pinned host tensor and moved to its device
 twin with one non-blocking copy; the forward reads views of that twin, so its addresses
 never change and the whole forward plus the LM head can be captured once per batch size
-of a ladder (1, 2, 4, 8, 16, 24, 32, 48, 64, ...) and replayed. A batch is padded up to
+of a ladder (1, 2, 4, 8, 16, 24, 32, 48, 64, ...) and replayed. The graph ends at the
+final hidden states: the runner's LM head and sampling run after it, as for any step. A batch is padded up to
 the next captured size: padding rows have slot -1 (the KV write skips them) and context
 length 0 (attention reads nothing and returns zeros), so they touch no real block.
 
@@ -112,7 +113,7 @@ class StepInputs:
 class DecodeGraphs:
     """Decode steps of up to ``max_batch`` requests through persistent buffers, as CUDA
     graphs (``use_graphs``) or eagerly. ``capture`` must run after the KV pool exists and
-    before serving; ``logits`` then runs a step."""
+    before serving; ``hidden`` (or ``logits``) then runs a step."""
 
     def __init__(
         self,
@@ -157,22 +158,25 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.model.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits = self._forward(size)
-        return graph, logits
+            hidden = self._forward(size)
+        return graph, hidden
 
     def _forward(self, batch: int) -> torch.Tensor:
         token_ids, meta = self.inputs.metadata(batch)
-        hidden = self.model.forward(token_ids, meta, self.cache)
-        return self.model.logits(hidden)
+        return self.model.forward(token_ids, meta, self.cache)
 
-    def logits(self, rows: list[DecodeRow]) -> torch.Tensor:
-        """Float32 logits ``[len(rows), vocab]`` of one decode step (a view of the graph's
-        output buffer when replayed: read it before the next step)."""
+    def hidden(self, rows: list[DecodeRow]) -> torch.Tensor:
+        """Final hidden states ``[len(rows), hidden]`` of one decode step (a view of the
+        graph's output buffer when replayed: use it before the next step)."""
         padded = padded_size(len(rows), self.ladder)
         self.inputs.stage(rows, padded)
         captured = self._graphs.get(padded)
         if captured is None:
             return self._forward(padded)[: len(rows)]
-        graph, logits = captured
+        graph, hidden = captured
         graph.replay()
-        return logits[: len(rows)]
+        return hidden[: len(rows)]
+
+    def logits(self, rows: list[DecodeRow]) -> torch.Tensor:
+        """Float32 logits ``[len(rows), vocab]`` of one decode step."""
+        return self.model.logits(self.hidden(rows))
