@@ -206,5 +206,7 @@ class EngineArgs:
     quantization: str = "none"
     # Norm / rotary / activation / attention kernels: auto | native (fused CPU ops) | torch.
     kernels: str = "auto"
+    # CUDA: run decode steps eagerly instead of replaying CUDA graphs (vLLM's flag name).
+    enforce_eager: bool = False
     # Speculative decoding (None = off); the CLI's --speculative-config JSON.
     speculative_config: SpeculativeConfig | None = None

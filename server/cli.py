@@ -62,6 +62,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=["auto", "native", "torch"],
         help="norm/rotary/attention kernels: native = fused C++ CPU ops (auto: when they build)",
     )
+    model.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
+    )
     model.add_argument("--max-model-len", type=int, default=None)
     model.add_argument("--seed", type=int, default=0)
     cache = p.add_argument_group("KV cache")
@@ -184,6 +189,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         kernels=args.kernels,
+        enforce_eager=args.enforce_eager,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         kv_cache_memory_gib=args.kv_cache_memory,
