@@ -20,6 +20,7 @@ import torch
 
 from engine.config import DEFAULT_MAX_STEP_TIME_MS, CacheConfig, EngineArgs, SchedulerConfig
 from engine.core import EngineCore
+from engine.cuda_runner import CudaModelRunner, decode_graph_reserve, uses_decode_graphs
 from engine.kv import accounting
 from engine.kv.accounting import CapacityPlan, KVShape, TierCapacity
 from engine.kv.disk_store import DiskFingerprint, DiskStore
@@ -144,6 +145,10 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     kv_shape = model.spec.kv_shape(resolve_kv_dtype(args.kv_cache_dtype, dtype))
     weight_bytes = model.weights.nbytes
     activation = measure_activation_peak(model, kv_shape, args, max_model_len)
+    if not args.enforce_eager:  # the decode CUDA graphs' memory, measured (0 off CUDA)
+        activation += decode_graph_reserve(
+            model, kv_shape, args.block_size, args.max_num_seqs, max_model_len
+        )
     plan = accounting.plan_capacity(
         kv_shape,
         memory_budget_bytes=_memory_budget(args, device, kv_shape, weight_bytes, activation),
@@ -310,9 +315,12 @@ def _wire(
     if host_blocks:
         host_layout = KVPoolLayout(kv_shape, host_blocks, args.block_size)
         host_pool = KVPool(host_layout, torch.device("cpu"), pin_memory=device.type == "cuda")
-    runner = ModelRunner(
+    graphed = device.type == "cuda" and uses_decode_graphs(model)
+    runner = (CudaModelRunner if graphed else ModelRunner)(
         model, device_pool, host_pool, eos_token_ids=eos_ids, seed=args.seed, grammars=grammars
     )
+    if isinstance(runner, CudaModelRunner):  # captured against the real pool, now it exists
+        runner.start_decode_graphs(args.max_num_seqs, max_model_len, eager=args.enforce_eager)
     cache_config = CacheConfig(
         num_device_blocks=plan.num_blocks,
         block_size=args.block_size,

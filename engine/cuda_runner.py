@@ -11,17 +11,19 @@ chunks, drafts, or more requests than were captured take ``ModelRunner``'s path.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
-from engine.kv.accounting import KVShape
-from engine.model.cuda_graphs import DecodeGraphs, DecodeRow
+from engine.kv.accounting import KVShape, format_bytes
+from engine.model.cuda_graphs import DecodeGraphs, DecodeRow, batch_size_ladder
 from engine.model.kv_cache import KVPool, KVPoolLayout, PagedKVCache
 from engine.model.llama import LlamaModel
 from engine.outputs import ScheduledRequest
 from engine.runner import ModelRunner
 
+logger = logging.getLogger("kvserve.engine")
 # Largest decode batch captured as a graph; bigger steps run eagerly (and are long
 # enough that launch overhead matters little).
 MAX_CAPTURED_BATCH = 256
@@ -80,4 +82,9 @@ def decode_graph_reserve(
     captured = graphs.capture()
     del graphs, pool
     torch.cuda.empty_cache()
+    logger.info(
+        "decode CUDA graphs (batch sizes %s): %s, counted in the activation reserve",
+        batch_size_ladder(max_batch),
+        format_bytes(captured),
+    )
     return captured
