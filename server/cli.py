@@ -59,7 +59,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     model.add_argument(
         "--kernels",
         default="auto",
-        choices=["auto", "native", "torch"],
+        choices=["auto", "native", "torch", "triton"],
         help="norm/rotary/attention kernels: native = fused C++ CPU ops (auto: when they build)",
     )
     model.add_argument(
