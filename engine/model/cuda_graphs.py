@@ -1,12 +1,12 @@
 """Decode steps from persistent buffers, replayed as CUDA graphs at padded batch sizes.
 
 A decode step's inputs (token id, position, cache slot, context length and block-table
-row of every request) are written into one pinned host tensor and moved to its device
-twin with one non-blocking copy; the forward reads views of that twin, so its addresses
-never change and the whole forward plus the LM head can be captured once per batch size
-of a ladder (1, 2, 4, 8, 16, 24, 32, 48, 64, ...) and replayed. The graph ends at the
-final hidden states: the runner's LM head and sampling run after it, as for any step. A batch is padded up to
-the next captured size: padding rows have slot -1 (the KV write skips them) and context
+row of every request) are written into pinned host tensors and moved to their device
+twins with non-blocking copies; the forward reads views of those twins, so its addresses
+never change and the forward can be captured once per batch size of a ladder (1, 2, 4, 8,
+16, 24, 32, 48, 64, ...) and replayed. The graph ends at the final hidden states: the
+runner's LM head and sampling run after it, as for any step. A batch is padded up to the
+next captured size: padding rows have slot -1 (the KV write skips them) and context
 length 0 (attention reads nothing and returns zeros), so they touch no real block.
 
 Without graphs (``--enforce-eager``, or off CUDA, where the tests run it under the Triton
