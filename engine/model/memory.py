@@ -10,7 +10,13 @@
   include up to one page of a neighbouring allocation at each end; the result is capped
   at the tensors' size.
 
-Reading page residency or allocator counters is safe from any thread.
+Reading page residency or allocator counters is safe from any thread, and must stay free
+of OpenMP-parallel torch ops: /metrics calls this on the server's event loop, and the
+first parallel torch op on a thread gives that thread an OpenMP team of its own. With more
+OpenMP workers than CPUs, libgomp stops spin-waiting in every team, so each of the
+engine's ~300 parallel regions per step then waits for a sleeping worker: one scrape left
+a single-stream server ~40% slower for the rest of its life (bench/bench_speculative.py
+figures, docs/BENCHMARKS.md). The page count is numpy's.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import ctypes
 import mmap
 import sys
 
+import numpy as np
 import torch
 
 _PAGE = mmap.PAGESIZE
@@ -41,7 +48,7 @@ def resident_bytes(tensors: list[torch.Tensor]) -> int | None:
         status = libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vector)
         if status != 0:
             return None
-        resident_pages = int(torch.frombuffer(vector, dtype=torch.uint8).bitwise_and(1).sum())
+        resident_pages = int(np.count_nonzero(np.frombuffer(vector, dtype=np.uint8) & 1))
         total += min(size, resident_pages * _PAGE)
     return total
 
