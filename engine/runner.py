@@ -86,9 +86,7 @@ class ModelRunner:
     def _hidden(self, batch: list[ScheduledRequest]) -> torch.Tensor:
         """Final hidden states ``[batch tokens, hidden]`` of the new tokens, in batch order."""
         model = self.model
-        chunks = [
-            SequenceChunk(r.num_computed_tokens, r.num_new_tokens, r.block_ids) for r in batch
-        ]
+        chunks = [chunk for r in batch for chunk in _chunks(r)]
         meta = build_metadata(chunks, self.block_size, model.dtype, model.device)
         flat_ids = [t for r in batch for t in r.token_ids]
         token_ids = torch.tensor(flat_ids, dtype=torch.long).to(model.device, non_blocking=True)
@@ -111,7 +109,7 @@ class ModelRunner:
         rows = plain_rows + verified_rows
         if not rows:
             return hidden.new_empty(0, model.spec.vocab_size, dtype=torch.float32)
-        if len(rows) < hidden.shape[0]:
+        if rows != list(range(hidden.shape[0])):  # not every row, or not in batch order
             hidden = hidden[torch.tensor(rows, device=hidden.device)]
         return model.logits(hidden)
 
@@ -177,9 +175,26 @@ def _grammar_decoding(compiler: GrammarCompiler | None) -> GrammarDecoding | Non
     return GrammarDecoding(compiler)
 
 
-def _decodes_first(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
-    """The attention metadata wants single-token continuations before prefill chunks."""
-    # A stable sort on one boolean key: decodes (key False) keep their order, then the rest.
-    return sorted(
-        scheduled, key=lambda r: not (r.num_new_tokens == 1 and r.num_computed_tokens > 0)
+def _chunks(request: ScheduledRequest) -> list[SequenceChunk]:
+    """The attention's view of a request's new tokens. A verification is one one-token
+    decode per position (each attends to the cache up to itself; the K/V of every row is
+    written before any row attends): the decode kernel then computes each position exactly
+    as plain decoding would, so greedy output is identical in bf16 too, where a prefill
+    kernel's different rounding flips near-ties. It reads the context once per position."""
+    start, count = request.num_computed_tokens, request.num_new_tokens
+    if request.num_draft_tokens:
+        return [SequenceChunk(start + i, 1, request.block_ids) for i in range(count)]
+    return [SequenceChunk(start, count, request.block_ids)]
+
+
+def _is_decode(request: ScheduledRequest) -> bool:
+    return bool(request.num_draft_tokens) or (
+        request.num_new_tokens == 1 and request.num_computed_tokens > 0
     )
+
+
+def _decodes_first(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """The attention metadata wants single-token continuations (verifications included)
+    before prefill chunks."""
+    # A stable sort on one boolean key: decodes (key False) keep their order, then the rest.
+    return sorted(scheduled, key=lambda r: not _is_decode(r))
