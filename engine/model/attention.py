@@ -57,8 +57,22 @@ class PrefillTables:
 
 
 @dataclass
+class VarlenTables:
+    """Every sequence of a step for one varlen attention launch (the Triton backend; built
+    by engine/model/cuda_metadata.py). Sequence ``i`` owns rows ``[query_starts[i],
+    query_starts[i + 1])`` and attends to its first ``seq_lens[i]`` keys (its new tokens'
+    included) through ``block_table[i]``; decodes and drafts are one-row sequences."""
+
+    block_table: torch.Tensor  # [seqs, max_blocks]
+    seq_lens: torch.Tensor  # [seqs]
+    query_starts: torch.Tensor  # [seqs + 1]
+    max_query_len: int  # host-side: 1 means row i is sequence i's only token
+
+
+@dataclass
 class AttentionMetadata:
-    """Per-step attention inputs, on the model's device."""
+    """Per-step attention inputs, on the model's device. With ``varlen`` set, attention
+    reads only it (and ``slots``/``positions``): the decode and prefill fields are unused."""
 
     slots: torch.Tensor  # [tokens] flat cache slot of every new token
     positions: torch.Tensor  # [tokens]
@@ -68,6 +82,7 @@ class AttentionMetadata:
     decode_bias: torch.Tensor | None  # [num_decodes, 1, max_blocks * block_size] 0 / -inf
     prefills: list[PrefillSpan]
     prefill_tables: PrefillTables | None
+    varlen: VarlenTables | None = None
 
 
 def build_metadata(
@@ -179,6 +194,8 @@ def paged_attention(
     Returns ``[tokens, heads * head_dim]``.
     """
     kernels.write_kv(cache, layer, qkv, meta.slots, spec)
+    if meta.varlen is not None:  # the whole batch in one launch
+        return kernels.varlen_attention(cache, layer, qkv, meta, spec, scale)
     parts: list[torch.Tensor] = []
     if meta.num_decodes:
         decodes = qkv[: meta.num_decodes]

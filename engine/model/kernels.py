@@ -16,7 +16,8 @@ Contracts shared by both (``qkv`` is the fused projection output, ``[tokens, q +
   attends rows ``[0, meta.num_decodes)`` to their cached context and returns
   ``[num_decodes, heads * head_dim]``; ``prefill_attention`` attends the remaining rows
   (``meta.prefills``, after ``write_kv`` stored them) causally to their cached prefix and
-  each other, returning ``[prefill rows, heads * head_dim]``.
+  each other, returning ``[prefill rows, heads * head_dim]``. ``varlen_attention`` (the
+  Triton backend only) attends every row of a ``meta.varlen`` step in one launch.
 
 ``select_kernels`` picks a backend from the ``--kernels`` flag (auto | native | torch |
 triton). On CUDA, auto means ``TritonKernels`` (engine/model/triton_kernels.py: Triton
@@ -126,6 +127,19 @@ class TorchKernels:
         scale: float,
     ) -> torch.Tensor:
         return prefill_attention_torch(layer, qkv, spec, cache, meta, scale)
+
+    def varlen_attention(
+        self,
+        cache: PagedKVCache,
+        layer: int,
+        qkv: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: ModelSpec,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attend every row through ``meta.varlen`` in one launch; ``[tokens, heads *
+        head_dim]``. Only backends whose attention reads block tables directly have it."""
+        raise NotImplementedError(f"the {self.name} kernels take no varlen metadata")
 
 
 class NativeKernels(TorchKernels):

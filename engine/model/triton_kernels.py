@@ -119,6 +119,45 @@ class TritonKernels(TorchKernels):
         )
         return out.view(rows.shape[0], spec.q_size)
 
+    def varlen_attention(
+        self,
+        cache: PagedKVCache,
+        layer: int,
+        qkv: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: ModelSpec,
+        scale: float,
+    ) -> torch.Tensor:
+        """The whole step in one launch. When every sequence has one row (decodes and
+        drafts only) row ``i`` is sequence ``i``: the launch is ``decode_attention``'s,
+        context splits included, so those rows come out as a decode step computes them."""
+        tables = meta.varlen
+        assert tables is not None
+        rows = qkv.shape[0]
+        out = qkv.new_empty(rows, spec.num_heads, spec.head_dim)
+        one_row_each = tables.max_query_len == 1
+        splits = 1  # prefill tiles already fill the device
+        if one_row_each:
+            longest = tables.block_table.shape[1] * cache.block_size
+            splits = choose_num_splits(rows, spec.num_kv_heads, longest, self.num_sms)
+        key, value = cache.layer(layer)
+        key_scale, value_scale = cache.layer_scales(layer)
+        unified_attention(
+            out,
+            _query_heads(qkv, spec),
+            key,
+            value,
+            tables.block_table,
+            tables.seq_lens,
+            scale,
+            query_starts=None if one_row_each else tables.query_starts,
+            max_query_len=tables.max_query_len,
+            num_splits=splits,
+            key_scale=key_scale,
+            value_scale=value_scale,
+        )
+        return out.view(rows, spec.q_size)
+
 
 def _query_heads(qkv: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
     """The query heads of qkv rows as a strided ``[rows, heads, head_dim]`` view (no copy)."""
