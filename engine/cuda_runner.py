@@ -1,12 +1,15 @@
-"""The CUDA runner: decode steps through persistent buffers and CUDA graphs.
+"""The CUDA runner: every step's inputs from pinned staging, decodes as CUDA graphs.
 
-``CudaModelRunner`` is a ``ModelRunner`` whose all-decode steps (every request one new
-token, no speculative draft) go through ``DecodeGraphs`` (engine/model/cuda_graphs.py):
-the step's inputs are staged in pinned host memory and copied to persistent device
-buffers without blocking, the forward is replayed as the CUDA graph of the next padded
-batch size (or run eagerly on the same buffers with ``--enforce-eager``), and the only
-host sync of the step is the sampler reading the sampled ids back. Steps with prefill
-chunks, drafts, or more requests than were captured take ``ModelRunner``'s path.
+``CudaModelRunner`` is a ``ModelRunner`` for the Triton backend. All-decode steps (every
+request one new token, no speculative draft) go through ``DecodeGraphs``
+(engine/model/cuda_graphs.py): inputs staged in pinned host memory, copied to persistent
+device buffers without blocking, the forward replayed as the CUDA graph of the next padded
+batch size (or run eagerly on the same buffers with ``--enforce-eager``). Every other step
+(prefill chunks, prefix hits, mixed batches, speculative verifications, decode batches
+larger than captured) is staged by ``StepMetadataBuilder`` (engine/model/cuda_metadata.py)
+the same way and runs eagerly with one attention launch per layer; the rows whose logits
+are sampled are gathered through the same staged buffer. Neither path waits for the
+device: the step's host sync is the sampler reading the sampled ids back.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import torch
 
 from engine.kv.accounting import KVShape, format_bytes
 from engine.model.cuda_graphs import DecodeGraphs, DecodeRow, batch_size_ladder
+from engine.model.cuda_metadata import StagedStep, StepMetadataBuilder
 from engine.model.kv_cache import KVPool, KVPoolLayout, PagedKVCache
 from engine.model.llama import LlamaModel
 from engine.outputs import ScheduledRequest
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, _chunks
 
 logger = logging.getLogger("kvserve.engine")
 # Largest decode batch captured as a graph; bigger steps run eagerly (and are long
@@ -36,11 +40,17 @@ def uses_decode_graphs(model: LlamaModel) -> bool:
 
 
 class CudaModelRunner(ModelRunner):
-    """``ModelRunner`` plus decode steps from persistent buffers, as CUDA graphs."""
+    """``ModelRunner`` whose steps are staged without blocking (the Triton backend; with
+    other kernels it is ``ModelRunner``) and whose decode steps can be CUDA graphs."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.decode_graphs: DecodeGraphs | None = None
+        self.step_metadata: StepMetadataBuilder | None = None
+        if uses_decode_graphs(self.model):
+            self.step_metadata = StepMetadataBuilder(self.block_size, self.model.device)
+        # The staged step of the batch being executed, for ``_sample_logits``.
+        self._staged: tuple[list[ScheduledRequest], StagedStep] | None = None
 
     def start_decode_graphs(self, max_num_seqs: int, max_model_len: int, eager: bool) -> int:
         """Allocate the step buffers and, unless ``eager``, capture the graphs (the KV pool
@@ -52,18 +62,51 @@ class CudaModelRunner(ModelRunner):
         return captured
 
     def _hidden(self, batch: list[ScheduledRequest]) -> torch.Tensor:
+        self._staged = None
         graphs = self.decode_graphs
-        if graphs is None or not _plain_decodes(batch) or len(batch) > graphs.ladder[-1]:
+        if graphs is not None and _plain_decodes(batch) and len(batch) <= graphs.ladder[-1]:
+            rows = [DecodeRow(r.token_ids[0], r.num_computed_tokens, r.block_ids) for r in batch]
+            return graphs.hidden(rows)
+        if self.step_metadata is None:
             return super()._hidden(batch)
-        rows = [DecodeRow(r.token_ids[0], r.num_computed_tokens, r.block_ids) for r in batch]
-        return graphs.hidden(rows)
+        chunks = [chunk for r in batch for chunk in _chunks(r)]
+        flat_ids = [t for r in batch for t in r.token_ids]
+        step = self.step_metadata.build(chunks, flat_ids, logits_rows(batch))
+        self._staged = (batch, step)
+        return self.model.forward(step.token_ids, step.meta, self.cache)
+
+    def _sample_logits(self, batch: list[ScheduledRequest], hidden: torch.Tensor) -> torch.Tensor:
+        """``ModelRunner``'s rows, gathered through the staged index (no blocking copy)."""
+        staged, self._staged = self._staged, None
+        if staged is None or staged[0] is not batch:
+            return super()._sample_logits(batch, hidden)
+        rows = staged[1].logits_rows
+        if rows is not None:
+            hidden = hidden.index_select(0, rows)
+        if not hidden.shape[0]:
+            return hidden.new_empty(0, self.model.spec.vocab_size, dtype=torch.float32)
+        return self.model.logits(hidden)
+
+
+def logits_rows(batch: list[ScheduledRequest]) -> list[int]:
+    """The hidden rows ``ModelRunner._sample_logits`` takes logits from, in its order: the
+    last row of each plain request that samples, then every verified row (the last real
+    token and each draft) of the requests that verify drafts."""
+    plain_rows: list[int] = []
+    verified_rows: list[int] = []
+    end = 0
+    for request in batch:
+        end += request.num_new_tokens
+        if request.num_draft_tokens:
+            verified_rows += range(end - request.num_draft_tokens - 1, end)
+        elif request.sample:
+            plain_rows.append(end - 1)
+    return plain_rows + verified_rows
 
 
 def _plain_decodes(batch: list[ScheduledRequest]) -> bool:
     return all(
-        r.num_new_tokens == 1
-        and r.num_computed_tokens > 0
-        and not getattr(r, "num_draft_tokens", 0)
+        r.num_new_tokens == 1 and r.num_computed_tokens > 0 and not r.num_draft_tokens
         for r in batch
     )
 
