@@ -62,7 +62,7 @@ print("torch", torch.__version__, "| triton", triton.__version__,
 
 TRITON_TESTS=(tests/model/test_triton_attention.py tests/model/test_triton_kv_write.py
               tests/model/test_triton_backend.py tests/model/test_cuda_graphs.py
-              tests/model/test_cuda_runner.py)
+              tests/model/test_cuda_runner.py tests/model/test_cuda_metadata.py)
 FAILED=()
 stage "pytest -m cuda"
 timeout 240 "$PY" -m pytest -m cuda tests -q -p no:cacheprovider 2>&1 \

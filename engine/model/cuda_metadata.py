@@ -60,8 +60,9 @@ class _Staging:
         self.copied: torch.cuda.Event | None = None
 
     def wait_for_copy(self) -> None:
-        """Returns at once in steady state: the copy ran before the last sampler sync."""
-        if self.copied is not None:
+        """Returns at once in steady state: the copy ran before the last sampler sync
+        (``query`` asks without waiting; only a copy still queued is waited for)."""
+        if self.copied is not None and not self.copied.query():
             self.copied.synchronize()
 
 
