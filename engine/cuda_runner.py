@@ -25,7 +25,7 @@ from engine.model.cuda_metadata import StagedStep, StepMetadataBuilder
 from engine.model.kv_cache import KVPool, KVPoolLayout, PagedKVCache
 from engine.model.llama import LlamaModel
 from engine.outputs import ScheduledRequest
-from engine.runner import ModelRunner, _chunks
+from engine.runner import ModelRunner, chunks, logits_rows
 
 logger = logging.getLogger("kvserve.engine")
 # Largest decode batch captured as a graph; bigger steps run eagerly (and are long
@@ -69,9 +69,9 @@ class CudaModelRunner(ModelRunner):
             return graphs.hidden(rows)
         if self.step_metadata is None:
             return super()._hidden(batch)
-        chunks = [chunk for r in batch for chunk in _chunks(r)]
+        step_chunks = [chunk for r in batch for chunk in chunks(r)]
         flat_ids = [t for r in batch for t in r.token_ids]
-        step = self.step_metadata.build(chunks, flat_ids, logits_rows(batch))
+        step = self.step_metadata.build(step_chunks, flat_ids, logits_rows(batch))
         self._staged = (batch, step)
         return self.model.forward(step.token_ids, step.meta, self.cache)
 
@@ -86,22 +86,6 @@ class CudaModelRunner(ModelRunner):
         if not hidden.shape[0]:
             return hidden.new_empty(0, self.model.spec.vocab_size, dtype=torch.float32)
         return self.model.logits(hidden)
-
-
-def logits_rows(batch: list[ScheduledRequest]) -> list[int]:
-    """The hidden rows ``ModelRunner._sample_logits`` takes logits from, in its order: the
-    last row of each plain request that samples, then every verified row (the last real
-    token and each draft) of the requests that verify drafts."""
-    plain_rows: list[int] = []
-    verified_rows: list[int] = []
-    end = 0
-    for request in batch:
-        end += request.num_new_tokens
-        if request.num_draft_tokens:
-            verified_rows += range(end - request.num_draft_tokens - 1, end)
-        elif request.sample:
-            plain_rows.append(end - 1)
-    return plain_rows + verified_rows
 
 
 def _plain_decodes(batch: list[ScheduledRequest]) -> bool:

@@ -86,27 +86,16 @@ class ModelRunner:
     def _hidden(self, batch: list[ScheduledRequest]) -> torch.Tensor:
         """Final hidden states ``[batch tokens, hidden]`` of the new tokens, in batch order."""
         model = self.model
-        chunks = [chunk for r in batch for chunk in _chunks(r)]
-        meta = build_metadata(chunks, self.block_size, model.dtype, model.device)
+        meta_chunks = [chunk for r in batch for chunk in chunks(r)]
+        meta = build_metadata(meta_chunks, self.block_size, model.dtype, model.device)
         flat_ids = [t for r in batch for t in r.token_ids]
         token_ids = torch.tensor(flat_ids, dtype=torch.long).to(model.device, non_blocking=True)
         return model.forward(token_ids, meta, self.cache)
 
     def _sample_logits(self, batch: list[ScheduledRequest], hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of the rows that sample: the last row of each plain request that samples,
-        then every verified row (the last real token and each draft) of the requests that
-        verify drafts, in ``batch`` order within each group."""
+        """Logits of the rows ``logits_rows`` names."""
         model = self.model
-        plain_rows: list[int] = []
-        verified_rows: list[int] = []
-        end = 0
-        for request in batch:
-            end += request.num_new_tokens
-            if request.num_draft_tokens:
-                verified_rows += range(end - request.num_draft_tokens - 1, end)
-            elif request.sample:
-                plain_rows.append(end - 1)
-        rows = plain_rows + verified_rows
+        rows = logits_rows(batch)
         if not rows:
             return hidden.new_empty(0, model.spec.vocab_size, dtype=torch.float32)
         if rows != list(range(hidden.shape[0])):  # not every row, or not in batch order
@@ -175,7 +164,23 @@ def _grammar_decoding(compiler: GrammarCompiler | None) -> GrammarDecoding | Non
     return GrammarDecoding(compiler)
 
 
-def _chunks(request: ScheduledRequest) -> list[SequenceChunk]:
+def logits_rows(batch: list[ScheduledRequest]) -> list[int]:
+    """The hidden rows that sample, in sampling order: the last row of each plain request
+    that samples, then every verified row (the last real token and each draft) of the
+    requests that verify drafts, in ``batch`` order within each group."""
+    plain_rows: list[int] = []
+    verified_rows: list[int] = []
+    end = 0
+    for request in batch:
+        end += request.num_new_tokens
+        if request.num_draft_tokens:
+            verified_rows += range(end - request.num_draft_tokens - 1, end)
+        elif request.sample:
+            plain_rows.append(end - 1)
+    return plain_rows + verified_rows
+
+
+def chunks(request: ScheduledRequest) -> list[SequenceChunk]:
     """The attention's view of a request's new tokens. A verification is one one-token
     decode per position (each attends to the cache up to itself; the K/V of every row is
     written before any row attends): the decode kernel then computes each position exactly

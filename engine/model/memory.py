@@ -48,7 +48,7 @@ def resident_bytes(tensors: list[torch.Tensor]) -> int | None:
         status = libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vector)
         if status != 0:
             return None
-        resident_pages = int(np.count_nonzero(np.frombuffer(vector, dtype=np.uint8) & 1))
+        resident_pages = int(np.count_nonzero(np.frombuffer(bytes(vector), dtype=np.uint8) & 1))
         total += min(size, resident_pages * _PAGE)
     return total
 
