@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device_tensor import to_device
+
 
 @dataclass
 class _Slot:
@@ -123,4 +125,4 @@ class PenaltyState:
 
 
 def _long(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
+    return to_device(values, device, torch.long)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device_tensor import to_device
 from engine.outputs import TokenLogprob
 from engine.penalty_state import PenaltyState
 from engine.request import SamplingParams
@@ -102,8 +103,8 @@ class Sampler:
         if row_index:
             device = logits.device
             logits = logits.index_put(
-                (torch.tensor(row_index, device=device), torch.tensor(token_index, device=device)),
-                torch.tensor(float("-inf"), device=device),
+                (to_device(row_index, device), to_device(token_index, device)),
+                torch.full((), float("-inf"), device=device),
             )
         return logits
 
@@ -114,15 +115,15 @@ class Sampler:
         if all(greedy):
             return logits.argmax(dim=-1)
         device = logits.device
-        temperature = torch.tensor(
-            [1.0 if r.params.greedy else r.params.temperature for r in rows], device=device
+        temperature = to_device(
+            [1.0 if r.params.greedy else r.params.temperature for r in rows], device
         )
         probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
         probs = apply_truncation(probs, rows)
         sampled = self.draw(probs, rows)
         if not any(greedy):
             return sampled
-        greedy_mask = torch.tensor(greedy, device=device)
+        greedy_mask = to_device(greedy, device)
         return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
 
     def draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -203,11 +204,11 @@ def apply_penalties(
         ids = [r.request_id for r in penalised_rows]
         output_counts, seen = state.counts(ids, prompts, outputs, vocab, device)
     whole_batch = len(index) == len(rows)
-    row_index = torch.tensor(index, dtype=torch.long, device=device)
+    row_index = to_device(index, device, torch.long)
     subset = logits if whole_batch else logits.index_select(0, row_index)
 
     def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, device=device).unsqueeze(1)
+        return to_device(values, device).unsqueeze(1)
 
     repetition = column([r.params.repetition_penalty for r in penalised_rows])
     penalised = torch.where(subset > 0, subset / repetition, subset * repetition)
@@ -230,8 +231,8 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
                 token_index.append(token)
                 bias.append(value)
     device = logits.device
-    index = (torch.tensor(row_index, device=device), torch.tensor(token_index, device=device))
-    return logits.index_put(index, torch.tensor(bias, device=device), accumulate=True)
+    index = (to_device(row_index, device), to_device(token_index, device))
+    return logits.index_put(index, to_device(bias, device), accumulate=True)
 
 
 def apply_truncation(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -249,7 +250,7 @@ def apply_truncation(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 
 
 def _per_row(values: list[float] | list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, device=device).unsqueeze(1)
+    return to_device(values, device).unsqueeze(1)
 
 
 def _top_k(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

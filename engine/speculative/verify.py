@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device_tensor import to_device
 from engine.outputs import ScheduledRequest, TokenLogprob
 from engine.sampler import (
     Sampler,
@@ -79,7 +80,7 @@ def _next_drafts(requests: list[ScheduledRequest], device: torch.device) -> torc
     for r in requests:
         ids += r.draft_token_ids
         ids.append(-1)
-    return torch.tensor(ids, dtype=torch.long, device=device)
+    return to_device(ids, device, torch.long)
 
 
 def _accept_and_replace(
@@ -92,14 +93,15 @@ def _accept_and_replace(
     acceptance stops (a residual draw after a rejection, or the bonus on a last row)."""
     has_draft = draft_next >= 0
     safe_draft = draft_next.clamp(min=0).unsqueeze(1)
-    greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+    greedy_rows = [r.params.greedy for r in rows]
     argmax = logits.argmax(dim=-1)
     accept = has_draft & (argmax == draft_next)
     replacement = argmax
-    if bool(greedy.all()):
+    if all(greedy_rows):
         return accept, replacement
-    temperature = torch.tensor(
-        [1.0 if r.params.greedy else r.params.temperature for r in rows], device=logits.device
+    greedy = to_device(greedy_rows, logits.device)
+    temperature = to_device(
+        [1.0 if r.params.greedy else r.params.temperature for r in rows], logits.device
     )
     probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
     probs = apply_truncation(probs, rows)
@@ -154,8 +156,8 @@ def _attach_logprobs(
     emitted_tokens: list[int],
 ) -> None:
     """The raw logprob (and top alternatives) of every emitted token, at its position."""
-    index = torch.tensor(emitted_rows, device=raw.device)
-    tokens = torch.tensor(emitted_tokens, device=raw.device)
+    index = to_device(emitted_rows, raw.device)
+    tokens = to_device(emitted_tokens, raw.device)
     selected = [rows[i] for i in emitted_rows]
     entries = gather_logprobs(raw.index_select(0, index), tokens, selected)
     by_request: dict[str, list[TokenLogprob]] = {}
