@@ -12,7 +12,8 @@ holds the medians and the ratios to kvserve.
     python bench/compare_servers.py --servers kvserve-small-kv --concurrency 32
 
 Servers: kvserve (defaults), kvserve-int8 (--quantization int8), kvserve-int4
-(--quantization int4), kvserve-small-kv (a KV
+(--quantization int4), kvserve-spec (n-gram speculative decoding), kvserve-baseline
+(defaults, from the checkout at --baseline-tree), kvserve-small-kv (a KV
 pool too small for 32 conversations, to show preemption and swap), llamacpp (needs
 llama-cpp-python[server] in the venv given by --llamacpp-python), transformers
 (`transformers serve --continuous-batching`), llama-server (llama.cpp's C++ server with
@@ -80,6 +81,17 @@ def _kvserve(extra: Sequence[str]) -> Callable[[argparse.Namespace, int], list[s
         ]
 
     return command
+
+
+def _kvserve_baseline(args: argparse.Namespace, port: int) -> list[str]:
+    """kvserve from another checkout (``--baseline-tree``, e.g. a ``git worktree`` of an
+    older commit) with this venv: the same run compares two versions of the code."""
+    if args.baseline_tree is None:
+        raise SystemExit("kvserve-baseline needs --baseline-tree DIR")
+    boot = f"import sys; sys.path.insert(0, {str(args.baseline_tree)!r}); "
+    boot += "from server.cli import main; sys.exit(main())"
+    command = _kvserve(())(args, port)
+    return [sys.executable, "-c", boot, *command[3:]]
 
 
 def _llamacpp(args: argparse.Namespace, port: int) -> list[str]:
@@ -213,6 +225,7 @@ def _transformers_cache_flags(args: argparse.Namespace) -> list[str]:
     ]
 
 
+NGRAM_SPEC = '{"method": "ngram", "num_speculative_tokens": 4}'
 SMALL_KV = ("--num-kv-blocks", "256", "--max-model-len", "2048", "--swap-space", "0.25")
 
 SERVERS: dict[str, ServerSpec] = {
@@ -221,6 +234,9 @@ SERVERS: dict[str, ServerSpec] = {
         ServerSpec("kvserve", _kvserve(())),
         ServerSpec("kvserve-int8", _kvserve(("--quantization", "int8"))),
         ServerSpec("kvserve-int4", _kvserve(("--quantization", "int4"))),
+        ServerSpec("kvserve-baseline", _kvserve_baseline),
+        # n-gram speculative decoding (off past 8 running requests: its default).
+        ServerSpec("kvserve-spec", _kvserve(("--speculative-config", NGRAM_SPEC))),
         # ~4k tokens of KV: about 6 of 32 four-turn conversations fit at once.
         ServerSpec(
             "kvserve-small-kv",
@@ -492,6 +508,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="append",
         default=[],
         help="an extra flag for every kvserve server (repeatable), e.g. --kvserve-arg=--foo=1",
+    )
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        default=None,
+        help="a checkout of another kvserve commit, served as kvserve-baseline",
     )
     parser.add_argument(
         "--interleave",
