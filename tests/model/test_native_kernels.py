@@ -7,6 +7,8 @@ bfloat16 (within bf16 rounding), including shapes the tiny models do not reach.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -253,11 +255,19 @@ def test_select_kernels():
     assert select_kernels("torch", cpu, torch.float32).name == "torch"
     assert select_kernels("native", cpu, torch.float32).name == "native"
     assert select_kernels("auto", cpu, torch.float32).name == "native"
-    assert select_kernels("auto", torch.device("cuda"), torch.float16).name == "torch"
+    if torch.cuda.is_available():  # triton is in the dev extra
+        assert select_kernels("auto", torch.device("cuda"), torch.float16).name == "triton"
     with pytest.raises(ValueError, match="--kernels native runs on the CPU only"):
         select_kernels("native", torch.device("cuda"), torch.float16)
     with pytest.raises(ValueError, match="--kernels must be one of"):
         select_kernels("fast", cpu, torch.float32)
+
+
+def test_auto_on_cuda_without_triton_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setitem(sys.modules, "engine.model.triton_kernels", None)  # import fails
+    assert select_kernels("auto", torch.device("cuda"), torch.float16).name == "torch"
+    with pytest.raises(ValueError, match="needs triton installed"):
+        select_kernels("triton", torch.device("cuda"), torch.float16)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
