@@ -11,6 +11,7 @@ import pytest
 
 from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from engine.model.loader import model_from_reference
+from engine.model.quant_linear import quantize_weights
 from engine.request import Request, SamplingParams
 from tests.model.engine_helpers import greedy, make_core, run_all
 
@@ -137,3 +138,23 @@ def test_speculation_turns_off_past_the_batch_size(model):
     config = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=3)
     _, stats = run(model, cache, SchedulerConfig(speculative=config))
     assert stats.spec_drafts_total == 0  # four requests run together all along
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights(model, quantization):
+    """With int8/int4 weights a verification reproduces plain decoding while its rows stay
+    on the few-row kernels, which compute each row alone (int8: up to 4 rows, int4: 8).
+    Beyond them (fbgemm's dynamic int8 scales activations per batch; int4 tiles 16 rows)
+    quantized logits depend on the batch, for plain decoding as much as for speculation."""
+    if model.kernels.name != "native":
+        pytest.skip("the few-row int8/int4 kernels are native")
+    weights = quantize_weights(model.weights, quantization, rowwise=True)
+    quantized = model.replace(weights=weights)
+    cache = CacheConfig(num_device_blocks=512, block_size=4)
+    three = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
+    for rid, prompt in PROMPTS.items():  # one request at a time: 1 + 3 rows a verification
+        prompts, params = {rid: prompt}, {rid: greedy(MAX_TOKENS)}
+        plain, _ = run(quantized, cache, SchedulerConfig(), prompts, params)
+        spec, stats = run(quantized, cache, SchedulerConfig(speculative=three), prompts, params)
+        assert spec == plain
+        assert stats.spec_drafts_total > 0
