@@ -95,6 +95,7 @@ def first_token(url: str, text: str) -> dict[str, float]:
         "messages": [{"role": "user", "content": text}],
         "temperature": 0,
         "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,  # both servers take it: an answer that starts with EOS streams
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -108,9 +109,12 @@ def first_token(url: str, text: str) -> dict[str, float]:
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 prompt_tokens = chunk["usage"]["prompt_tokens"]
-            if ttft is None and any(c["delta"].get("content") for c in chunk.get("choices", [])):
+            choices = chunk.get("choices", [])
+            if ttft is None and any(
+                c["delta"].get("content") or c.get("finish_reason") for c in choices
+            ):
                 ttft = time.perf_counter() - started
-    assert ttft is not None, "no content streamed"
+    assert ttft is not None, "nothing streamed"
     return {
         "ttft_s": ttft,
         "prompt_tokens": prompt_tokens,
