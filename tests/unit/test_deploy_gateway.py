@@ -1,5 +1,6 @@
-"""deploy/gateway/ checked offline: every custom resource against its vendored schema
-(deploy/gateway/crds/, see its README for versions and provenance), the core objects against
+"""deploy/gateway/ checked offline: every custom resource against its schema in
+deploy/gateway/crds/ (Gateway API's released schemas; a hand-written one for InferencePool,
+which no registry ships: see its README for versions and provenance), the core objects against
 Kubernetes' schemas, and the wiring between pool, picker, route and the kvserve Deployment."""
 
 from __future__ import annotations
