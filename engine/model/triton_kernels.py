@@ -66,26 +66,19 @@ class TritonKernels(TorchKernels):
     ) -> torch.Tensor:
         assert meta.decode_block_table is not None and meta.decode_context_lens is not None
         rows = meta.num_decodes
-        query = _query_heads(qkv[:rows], spec)
-        out = qkv.new_empty(rows, spec.num_heads, spec.head_dim)
         # The padded table's width bounds every context: a host-side number, no sync.
         longest = meta.decode_block_table.shape[1] * cache.block_size
         splits = choose_num_splits(rows, spec.num_kv_heads, longest, self.num_sms)
-        key, value = cache.layer(layer)
-        key_scale, value_scale = cache.layer_scales(layer)
-        unified_attention(
-            out,
-            query,
-            key,
-            value,
+        return _attend(
+            cache,
+            layer,
+            qkv[:rows],
+            spec,
             meta.decode_block_table,
             meta.decode_context_lens,
             scale,
             num_splits=splits,
-            key_scale=key_scale,
-            value_scale=value_scale,
         )
-        return out.view(rows, spec.q_size)
 
     def prefill_attention(
         self,
@@ -98,26 +91,19 @@ class TritonKernels(TorchKernels):
     ) -> torch.Tensor:
         tables = meta.prefill_tables
         assert tables is not None
-        rows = qkv[meta.num_decodes :]
-        out = qkv.new_empty(rows.shape[0], spec.num_heads, spec.head_dim)
         starts = tables.query_starts
         seq_lens = tables.num_computed + (starts[1:] - starts[:-1])
-        key, value = cache.layer(layer)
-        key_scale, value_scale = cache.layer_scales(layer)
-        unified_attention(
-            out,
-            _query_heads(rows, spec),
-            key,
-            value,
+        return _attend(
+            cache,
+            layer,
+            qkv[meta.num_decodes :],
+            spec,
             tables.block_table,
             seq_lens,
             scale,
             query_starts=starts,
             max_query_len=max(span.end - span.start for span in meta.prefills),
-            key_scale=key_scale,
-            value_scale=value_scale,
         )
-        return out.view(rows.shape[0], spec.q_size)
 
     def varlen_attention(
         self,
@@ -133,30 +119,58 @@ class TritonKernels(TorchKernels):
         context splits included, so those rows come out as a decode step computes them."""
         tables = meta.varlen
         assert tables is not None
-        rows = qkv.shape[0]
-        out = qkv.new_empty(rows, spec.num_heads, spec.head_dim)
         one_row_each = tables.max_query_len == 1
         splits = 1  # prefill tiles already fill the device
         if one_row_each:
             longest = tables.block_table.shape[1] * cache.block_size
-            splits = choose_num_splits(rows, spec.num_kv_heads, longest, self.num_sms)
-        key, value = cache.layer(layer)
-        key_scale, value_scale = cache.layer_scales(layer)
-        unified_attention(
-            out,
-            _query_heads(qkv, spec),
-            key,
-            value,
+            splits = choose_num_splits(qkv.shape[0], spec.num_kv_heads, longest, self.num_sms)
+        return _attend(
+            cache,
+            layer,
+            qkv,
+            spec,
             tables.block_table,
             tables.seq_lens,
             scale,
             query_starts=None if one_row_each else tables.query_starts,
             max_query_len=tables.max_query_len,
             num_splits=splits,
-            key_scale=key_scale,
-            value_scale=value_scale,
         )
-        return out.view(rows, spec.q_size)
+
+
+def _attend(
+    cache: PagedKVCache,
+    layer: int,
+    qkv_rows: torch.Tensor,
+    spec: ModelSpec,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    query_starts: torch.Tensor | None = None,
+    max_query_len: int = 1,
+    num_splits: int = 1,
+) -> torch.Tensor:
+    """One ``unified_attention`` launch for the queries of ``qkv_rows`` against layer
+    ``layer``'s cache (with its scales); returns ``[rows, q_size]``."""
+    rows = qkv_rows.shape[0]
+    out = qkv_rows.new_empty(rows, spec.num_heads, spec.head_dim)
+    key, value = cache.layer(layer)
+    key_scale, value_scale = cache.layer_scales(layer)
+    unified_attention(
+        out,
+        _query_heads(qkv_rows, spec),
+        key,
+        value,
+        block_table,
+        seq_lens,
+        scale,
+        query_starts=query_starts,
+        max_query_len=max_query_len,
+        key_scale=key_scale,
+        value_scale=value_scale,
+        num_splits=num_splits,
+    )
+    return out.view(rows, spec.q_size)
 
 
 def _query_heads(qkv: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
