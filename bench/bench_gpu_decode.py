@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from bench_kernels import SMOLLM2  # the script's folder is on sys.path (bench/ is no package)
 
 from engine.kv.accounting import KVShape, bytes_per_token
 from engine.model.kv_cache import KVPool, KVPoolLayout, PagedKVCache
@@ -61,19 +62,7 @@ PRESETS: dict[str, ModelSpec] = {
         max_position_embeddings=2048,
         tie_word_embeddings=True,
     ),
-    "smollm2-135m": ModelSpec(
-        model_type="llama",
-        num_layers=30,
-        hidden_size=576,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        intermediate_size=1536,
-        vocab_size=49152,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-    ),
+    "smollm2-135m": SMOLLM2,
 }
 
 

@@ -15,20 +15,25 @@ then the medians, prefill tokens/s and the ratio of each server's TTFT to the fi
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import httpx
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
 import compare_servers  # noqa: E402  (bench/ is not a package)
-from compare_servers import SERVERS, pause, start_server, stop_server, wait_ready  # noqa: E402
+from compare_servers import (  # noqa: E402
+    SERVERS,
+    pause,
+    start_server,
+    stop_server,
+    stream_chat,
+    wait_ready,
+    write_report,
+)
 
 WORDS = [
     "river",
@@ -89,31 +94,22 @@ def chat_prompt(tokenizer: object, length: int, seed: int) -> str:
 
 
 def first_token(url: str, text: str) -> dict[str, float]:
-    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     body = {
-        "model": model,
         "messages": [{"role": "user", "content": text}],
         "temperature": 0,
         "max_tokens": MAX_TOKENS,
         "ignore_eos": True,  # both servers take it: an answer that starts with EOS streams
-        "stream": True,
-        "stream_options": {"include_usage": True},
     }
     started = time.perf_counter()
     ttft, prompt_tokens = None, 0
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=900) as reply:
-        reply.raise_for_status()
-        for line in reply.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                prompt_tokens = chunk["usage"]["prompt_tokens"]
-            choices = chunk.get("choices", [])
-            if ttft is None and any(
-                c["delta"].get("content") or c.get("finish_reason") for c in choices
-            ):
-                ttft = time.perf_counter() - started
+    for chunk in stream_chat(url, body):
+        if chunk.get("usage"):
+            prompt_tokens = chunk["usage"]["prompt_tokens"]
+        choices = chunk.get("choices", [])
+        if ttft is None and any(
+            c["delta"].get("content") or c.get("finish_reason") for c in choices
+        ):
+            ttft = time.perf_counter() - started
     assert ttft is not None, "nothing streamed"
     return {
         "ttft_s": ttft,
@@ -169,10 +165,7 @@ def report(results: dict[str, dict[int, list[dict[str, float]]]], base: str, out
                 f"| {name} | {tokens:.0f} | {ttft:.2f} s | {tokens / ttft:.0f} | "
                 f"{ttft / base_ttft:.2f}x |"
             )
-    text = "\n".join(lines)
-    print(text)
-    (out / "summary.md").write_text(text + "\n")
-    (out / "runs.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_report(out, "summary.md", "\n".join(lines), results)
 
 
 if __name__ == "__main__":

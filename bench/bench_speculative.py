@@ -15,7 +15,6 @@ round, the medians and the per-round ratios.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
@@ -32,7 +31,9 @@ from compare_servers import (  # noqa: E402  (bench/ is not a package)
     _kvserve,
     start_server,
     stop_server,
+    stream_chat,
     wait_ready,
+    write_report,
 )
 
 PASSAGE = (
@@ -63,30 +64,21 @@ SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_e
 
 def stream_once(url: str, max_tokens: int) -> dict[str, object]:
     """One greedy streaming chat request; token timing from the SSE chunks."""
-    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     body = {
-        "model": model,
         "messages": [{"role": "user", "content": INSTRUCTION + PASSAGE}],
         "temperature": 0,
         "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
     }
     text, first, completion = [], None, 0
     started = time.perf_counter()
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as reply:
-        reply.raise_for_status()
-        for line in reply.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                completion = chunk["usage"]["completion_tokens"]
-            for choice in chunk.get("choices", []):
-                piece = choice["delta"].get("content")
-                if piece:
-                    first = first or time.perf_counter()
-                    text.append(piece)
+    for chunk in stream_chat(url, body):
+        if chunk.get("usage"):
+            completion = chunk["usage"]["completion_tokens"]
+        for choice in chunk.get("choices", []):
+            piece = choice["delta"].get("content")
+            if piece:
+                first = first or time.perf_counter()
+                text.append(piece)
     ended = time.perf_counter()
     assert first is not None, "no content streamed"
     return {
@@ -174,10 +166,7 @@ def report(results: dict[str, list[dict[str, object]]], out: Path) -> None:
             f"ratio per round {', '.join(f'{r:.2f}x' for r in ratios)}; "
             f"median {statistics.median(ratios):.2f}x"
         )
-    text = "\n".join(lines)
-    print(text)
-    (out / "summary.txt").write_text(text + "\n")
-    (out / "runs.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_report(out, "summary.txt", "\n".join(lines), results)
 
 
 if __name__ == "__main__":

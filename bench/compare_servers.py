@@ -33,9 +33,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -358,6 +359,25 @@ def warm_up(url: str, out: Path, name: str) -> None:
         cwd=REPO,
         stdout=subprocess.DEVNULL,
     )
+
+
+def stream_chat(url: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """POST a streaming chat request to the server's first served model (filled in as
+    ``model``); yield each SSE chunk's JSON as it arrives."""
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, **body}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=900) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
+def write_report(out: Path, name: str, text: str, runs: object) -> None:
+    """Print a bench's summary and keep it (``out/name``) with its raw runs (runs.json)."""
+    print(text)
+    (out / name).write_text(text + "\n")
+    (out / "runs.json").write_text(json.dumps(runs, indent=1) + "\n")
 
 
 def start_server(
