@@ -143,9 +143,10 @@ def test_speculation_turns_off_past_the_batch_size(model):
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_quantized_weights(model, quantization):
     """With int8/int4 weights a verification reproduces plain decoding while its rows stay
-    on the few-row kernels, which compute each row alone (int8: up to 4 rows, int4: 8).
-    Beyond them (fbgemm's dynamic int8 scales activations per batch; int4 tiles 16 rows)
-    quantized logits depend on the batch, for plain decoding as much as for speculation."""
+    on the few-row kernels (int8: up to 4 rows, int4: 8), which keep each row to itself and
+    differ from the one-row kernel at most in float32 summation order. Beyond them
+    (fbgemm's dynamic int8 scales activations per batch; int4 tiles 16 rows) quantized
+    logits depend on the batch, for plain decoding as much as for speculation."""
     if model.kernels.name != "native":
         pytest.skip("the few-row int8/int4 kernels are native")
     weights = quantize_weights(model.weights, quantization, rowwise=True)
