@@ -26,6 +26,7 @@ SOURCES = (
     "elementwise.cpp",
     "paged_attention.cpp",
     "prefill_attention.cpp",
+    "prefill_attention_bf16.cpp",
     "int8_linear.cpp",
     "int4_linear.cpp",
     "bf16_linear.cpp",

@@ -191,6 +191,30 @@ def test_prefill_attention_matches_torch(native, dtype, shape, block_size):
         close(actual, expected)
 
 
+@pytest.mark.parametrize("shape", ["gqa", "mqa"])
+def test_bf16_prefill_over_many_key_tiles_matches_float32_math(native, shape):
+    """A bf16 model's prefill attention (bf16 tile products on CPUs with AVX512_BF16, float32
+    ones elsewhere) against float32 math on the same bf16 cache and queries: long contexts
+    (six key tiles), odd key counts and peaked softmaxes, so the running max and rescale
+    across tiles are exercised, within the rounding of bf16 probabilities and output."""
+    spec = make_spec(*SHAPES[shape])
+    spans = [(700, 150), (0, 301), (129, 1), (255, 2)]
+    contexts = [cached + new for cached, new in spans]
+    cache, blocks = fill_cache(native, spec, torch.bfloat16, 16, contexts)
+    chunks = [SequenceChunk(c, n, ids) for (c, n), ids in zip(spans, blocks, strict=True)]
+    meta = build_metadata(chunks, 16, torch.bfloat16, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(3)
+    qkv = (torch.randn(meta.slots.numel(), spec.q_size + 2 * spec.kv_size, generator=generator) * 4)
+    qkv = qkv.to(torch.bfloat16)
+    native.write_kv(cache, 0, qkv, meta.slots, spec)
+    exact = PagedKVCache(cache.pool, torch.float32)  # the same bf16 cache, float32 compute
+    exact_meta = build_metadata(chunks, 16, torch.float32, torch.device("cpu"))
+    expected = TorchKernels().prefill_attention(exact, 0, qkv.float(), exact_meta, spec, 0.125)
+    actual = native.prefill_attention(cache, 0, qkv, meta, spec, 0.125)
+    assert actual.dtype == torch.bfloat16
+    torch.testing.assert_close(actual.float(), expected, atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("kv_dtype", ["int8", "float16"])
 def test_prefill_attention_reads_narrow_caches(native, kv_dtype):
     """An int8 cache (rows times their per-token scales) and a float16 one under float32

@@ -8,7 +8,8 @@
 // The two products per tile (scores = Q K^T, out += P V) run as float32 GEMMs through the
 // BLAS that torch links (MKL's sgemm_), with a portable loop where that symbol is absent.
 // K/V tiles are widened to float32 (int8 rows times their per-token scales) as they are
-// gathered, so every cache dtype shares one code path.
+// gathered, so every cache dtype shares one code path. A bf16 model on a CPU with
+// AVX512_BF16 takes prefill_attention_bf16.cpp instead: the same tasks with bf16 products.
 
 #include <ATen/Parallel.h>
 
@@ -19,6 +20,7 @@
 
 #include "common.h"
 #include "ops.h"
+#include "prefill_attention.h"
 
 // Fortran BLAS as exported by torch's MKL; weak, so a torch without it still loads us.
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
@@ -29,8 +31,9 @@ extern "C" void sgemm_(const char* transa, const char* transb, const int* m, con
 namespace kvserve {
 namespace {
 
-constexpr int64_t kQueryTile = 64;  // query rows per task (times the GQA group)
-constexpr int64_t kKeyTile = 128;   // keys per softmax tile
+using prefill::kKeyTile;
+using prefill::kQueryTile;
+using prefill::Task;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Column-major C[m x n] = alpha * op(A) op(B) + beta * C, as BLAS defines it.
@@ -56,15 +59,6 @@ void gemm(bool trans_a, int64_t m, int64_t n, int64_t k, const float* a, int64_t
     }
   }
 }
-
-// One unit of work: KV head `head` of span `span`, query rows [row_begin, row_end) of it.
-struct Task {
-  int64_t span;
-  int64_t head;
-  int64_t row_begin;
-  int64_t row_end;
-  int64_t keys;  // keys the last row attends to: the task's cost
-};
 
 struct Scratch {
   std::vector<float> query;   // [group * tile, head_dim], pre-scaled
@@ -247,6 +241,15 @@ void paged_prefill_attention(
     }
   }
   const std::vector<Task> tasks = make_tasks(starts, computed, spans, num_kv_heads);
+  if (qkv.scalar_type() == at::kBFloat16 && prefill::bf16_tiles_supported(head_dim)) {
+    const prefill::Bf16Problem problem{
+        qkv.data_ptr<at::BFloat16>(), width, out.data_ptr<at::BFloat16>(),
+        key_cache.data_ptr(), value_cache.data_ptr(), key_cache.scalar_type(),
+        k_scales, v_scales, tables, max_blocks, starts, computed, group, num_heads, head_dim,
+        block_size, head_stride, scale_stride, static_cast<float>(scale)};
+    prefill::run_bf16_tiles(tasks, problem);
+    return;
+  }
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "paged_prefill", [&] {

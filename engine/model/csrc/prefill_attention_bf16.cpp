@@ -1,0 +1,397 @@
+// Prefill attention with bf16 tile products (vdpbf16ps: 32 bf16 products per instruction,
+// float32 sums), for bf16 models on CPUs with AVX512_BF16. Same tasks, same online softmax
+// as the float32 version in prefill_attention.cpp; what changes is the layout, chosen so
+// that no product needs a horizontal sum and the softmax runs down vector lanes:
+//
+//   scores^T [keys x rows] = K . Q^T   each key's bf16 pair (k[2p], k[2p+1]) broadcast
+//                                      straight from the cache against 16 query rows'
+//                                      pairs (Q packed once per task, rows in lanes)
+//   softmax per lane                   running max and sum of 16 rows per vector; the
+//                                      attention scale is folded into the exponent
+//   out^T [d x rows] += V^T . P^T      each value pair (v[2j][d], v[2j+1][d]) broadcast
+//                                      against 16 rows' probability pairs (bf16)
+//
+// Probabilities are rounded to bf16 before the second product (as a bf16 GEMM would);
+// sums, the running max/sum and the output accumulate in float32. Compiled for
+// AVX512_BF16 whatever the build machine (a target attribute) and called only where the CPU
+// has it (bf16_tiles_supported), so one build serves AVX2-only and AVX-512 machines alike.
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "common.h"
+#include "ops.h"
+#include "prefill_attention.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define KVSERVE_BF16_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define KVSERVE_HAVE_BF16_PREFILL 1
+#endif
+
+namespace kvserve::prefill {
+
+bool bf16_tiles_supported(int64_t head_dim) {
+  return bf16_linear_supported() && head_dim % 2 == 0;
+}
+
+#ifdef KVSERVE_HAVE_BF16_PREFILL
+namespace {
+
+constexpr int64_t kLanes = 16;       // float32 lanes: query rows per vector
+constexpr int kKeyBlock = 6;         // keys per scores micro-kernel (x 4 row vectors)
+constexpr int kDimBlock = 6;         // head dims per output micro-kernel (x 4 row vectors)
+constexpr int kRowVectors = 4;       // row vectors per micro-kernel: 24 accumulators
+constexpr int64_t kPaddedKeys = (kKeyTile + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.44269504088896341f;
+
+int64_t round_up(int64_t value, int64_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+
+uint32_t load_pair(const uint16_t* p) {
+  uint32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return word;
+}
+
+// Per-thread buffers, sized once per task (rows are padded to whole vectors, head dims to
+// whole output blocks; the padding stays zero, so it adds zeros, never garbage).
+struct Scratch {
+  int64_t ld = 0;    // padded rows: the lane dimension of query, scores, probs, out
+  int64_t dims = 0;  // padded head_dim: the row length of values and out
+  std::vector<uint32_t> query;   // [head_dim / 2][ld]: each row's (q[2p], q[2p+1])
+  std::vector<float> scores;     // [kPaddedKeys][ld]: scores, then probabilities
+  std::vector<uint32_t> probs;   // [kKeyTile / 2][ld]: (p[2j], p[2j+1]) in bf16
+  std::vector<uint32_t> values;  // [kKeyTile / 2][dims]: (v[2j][d], v[2j+1][d])
+  std::vector<float> out;        // [dims][ld]
+  std::vector<float> row_max, row_sum, correction;  // [ld]
+  std::vector<int32_t> position;                    // [ld]: each row's token position
+  std::vector<uint16_t> widened;  // [2][kKeyTile][head_dim]: K, V rows of a non-bf16 cache
+  std::vector<uint16_t> zero;     // one all-zero row: padding keys
+  std::vector<const uint16_t*> key_rows, value_rows;  // [kPaddedKeys]
+
+  void reset(int64_t rows, int64_t head_dim) {
+    ld = round_up(rows, kLanes);
+    dims = round_up(head_dim, kDimBlock);
+    query.assign(head_dim / 2 * ld, 0);
+    scores.resize(kPaddedKeys * ld);
+    probs.resize(kKeyTile / 2 * ld);
+    values.assign(kKeyTile / 2 * dims, 0);
+    out.assign(dims * ld, 0.f);
+    row_max.assign(ld, kNegInf);
+    row_sum.assign(ld, 0.f);
+    correction.resize(ld);
+    position.assign(ld, std::numeric_limits<int32_t>::max());
+    widened.resize(2 * kKeyTile * head_dim);
+    zero.assign(head_dim, 0);
+    key_rows.resize(kPaddedKeys);
+    value_rows.resize(kPaddedKeys);
+  }
+};
+
+// Points key_rows/value_rows at the tile's keys [begin, begin + count) through the block
+// table: into the cache itself when it holds bf16, else into `widened` after converting
+// (an int8 row times its token's scale). Rows past `count` point at the zero row.
+template <typename cache_t>
+void locate_rows(const Bf16Problem& p, const Task& task, int64_t begin, int64_t count,
+                 Scratch& s) {
+  const int64_t* blocks = p.tables + task.span * p.max_blocks;
+  const int64_t d = p.head_dim;
+  const auto* keys = static_cast<const cache_t*>(p.key_cache) + task.head * p.head_stride;
+  const auto* values = static_cast<const cache_t*>(p.value_cache) + task.head * p.head_stride;
+  const float* k_scales = p.key_scales ? p.key_scales + task.head * p.scale_stride : nullptr;
+  const float* v_scales = p.value_scales ? p.value_scales + task.head * p.scale_stride : nullptr;
+  for (int64_t n = 0; n < count; ++n) {
+    const int64_t t = begin + n;
+    const int64_t slot = blocks[t / p.block_size] * p.block_size + t % p.block_size;
+    if constexpr (std::is_same_v<cache_t, at::BFloat16>) {
+      s.key_rows[n] = reinterpret_cast<const uint16_t*>(keys + slot * d);
+      s.value_rows[n] = reinterpret_cast<const uint16_t*>(values + slot * d);
+    } else {
+      auto* k_row = reinterpret_cast<at::BFloat16*>(s.widened.data() + n * d);
+      auto* v_row = reinterpret_cast<at::BFloat16*>(s.widened.data() + (kKeyTile + n) * d);
+      const float k_factor = k_scales ? k_scales[slot] : 1.f;
+      const float v_factor = v_scales ? v_scales[slot] : 1.f;
+      for (int64_t i = 0; i < d; ++i) {
+        k_row[i] = static_cast<float>(keys[slot * d + i]) * k_factor;
+        v_row[i] = static_cast<float>(values[slot * d + i]) * v_factor;
+      }
+      s.key_rows[n] = reinterpret_cast<const uint16_t*>(k_row);
+      s.value_rows[n] = reinterpret_cast<const uint16_t*>(v_row);
+    }
+  }
+  for (int64_t n = count; n < kPaddedKeys; ++n) s.key_rows[n] = s.value_rows[n] = s.zero.data();
+}
+
+// scores[k][v * 16 + lane] = key k . query row (v * 16 + lane), for K keys and V row vectors.
+template <int K, int V>
+KVSERVE_BF16_TARGET inline void score_block(const uint16_t* const* key_rows, const uint32_t* query,
+                                            int64_t pairs, int64_t ld, float* scores) {
+  __m512 acc[K][V];
+  for (int k = 0; k < K; ++k)
+    for (int v = 0; v < V; ++v) acc[k][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh q[V];
+    for (int v = 0; v < V; ++v) q[v] = (__m512bh)_mm512_loadu_si512(query + p * ld + v * kLanes);
+    for (int k = 0; k < K; ++k) {
+      const auto pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(load_pair(key_rows[k] + 2 * p)));
+      for (int v = 0; v < V; ++v) acc[k][v] = _mm512_dpbf16_ps(acc[k][v], pair, q[v]);
+    }
+  }
+  for (int k = 0; k < K; ++k)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(scores + k * ld + v * kLanes, acc[k][v]);
+}
+
+template <int V>
+KVSERVE_BF16_TARGET void score_keys(Scratch& s, int64_t pairs, int64_t num_keys, int64_t vector) {
+  const uint32_t* query = s.query.data() + vector * kLanes;
+  float* scores = s.scores.data() + vector * kLanes;
+  for (int64_t k = 0; k < num_keys; k += kKeyBlock) {
+    score_block<kKeyBlock, V>(s.key_rows.data() + k, query, pairs, s.ld, scores + k * s.ld);
+  }
+}
+
+// scores^T for the tile's keys (rounded up to whole key blocks) and every row vector.
+KVSERVE_BF16_TARGET void score_tile(Scratch& s, int64_t head_dim, int64_t num_keys) {
+  const int64_t vectors = s.ld / kLanes;
+  const int64_t pairs = head_dim / 2;
+  for (int64_t v = 0; v < vectors; v += kRowVectors) {
+    switch (std::min<int64_t>(kRowVectors, vectors - v)) {
+      case 4: score_keys<4>(s, pairs, num_keys, v); break;
+      case 3: score_keys<3>(s, pairs, num_keys, v); break;
+      case 2: score_keys<2>(s, pairs, num_keys, v); break;
+      default: score_keys<1>(s, pairs, num_keys, v); break;
+    }
+  }
+}
+
+// 2^t for t <= 0: t = n + f with |f| <= 1/2, 2^f by its Taylor polynomial to degree 6
+// (relative error ~3e-7, far below bf16's), scaled by 2^n with vscalefps.
+KVSERVE_BF16_TARGET inline __m512 exp2_nonpositive(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-127.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 y = _mm512_set1_ps(1.5403530393381608e-4f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// Folds one tile into the running softmax, 16 rows per vector: hides keys after each row's
+// position (when the tile crosses the diagonal), turns scores into unnormalised
+// probabilities against the new running max, and records each row's rescale factor.
+KVSERVE_BF16_TARGET void softmax_tile(Scratch& s, int64_t num_keys, int64_t key_begin,
+                                      bool causal, float scale) {
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  const __m512 c = _mm512_set1_ps(scale * kLog2e);  // e^(scale x) = 2^(scale log2e x)
+  for (int64_t r = 0; r < s.ld; r += kLanes) {
+    float* column = s.scores.data() + r;
+    const __m512i position = _mm512_loadu_si512(s.position.data() + r);
+    __m512 tile_max = neg_inf;
+    for (int64_t n = 0; n < num_keys; ++n) {
+      __m512 x = _mm512_loadu_ps(column + n * s.ld);
+      if (causal) {
+        const __mmask16 future =
+            _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int>(key_begin + n)), position);
+        x = _mm512_mask_mov_ps(x, future, neg_inf);
+        _mm512_storeu_ps(column + n * s.ld, x);
+      }
+      tile_max = _mm512_max_ps(tile_max, x);
+    }
+    const __m512 old_max = _mm512_loadu_ps(s.row_max.data() + r);
+    const __m512 new_max = _mm512_max_ps(old_max, tile_max);
+    // First tile: the old max is -inf and so is the old sum's weight (0, not NaN).
+    const __mmask16 seen = _mm512_cmp_ps_mask(old_max, neg_inf, _CMP_NEQ_OQ);
+    const __m512 correction =
+        _mm512_maskz_mov_ps(seen, exp2_nonpositive(_mm512_mul_ps(_mm512_sub_ps(old_max, new_max), c)));
+    const __m512 shift = _mm512_mul_ps(new_max, c);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t n = 0; n < num_keys; ++n) {
+      const __m512 x = _mm512_loadu_ps(column + n * s.ld);
+      const __mmask16 visible = _mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ);
+      const __m512 p = _mm512_maskz_mov_ps(visible, exp2_nonpositive(_mm512_fmsub_ps(x, c, shift)));
+      _mm512_storeu_ps(column + n * s.ld, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    const __m512 row_sum = _mm512_loadu_ps(s.row_sum.data() + r);
+    _mm512_storeu_ps(s.row_sum.data() + r, _mm512_fmadd_ps(row_sum, correction, sum));
+    _mm512_storeu_ps(s.row_max.data() + r, new_max);
+    _mm512_storeu_ps(s.correction.data() + r, correction);
+  }
+}
+
+// probs[j] = (p[2j], p[2j+1]) per row in bf16, and values[j][d] = (v[2j][d], v[2j+1][d]):
+// the pair layout vdpbf16ps multiplies. An odd last key pairs with a zero.
+KVSERVE_BF16_TARGET void pack_pairs(Scratch& s, int64_t num_keys, int64_t head_dim) {
+  alignas(64) static constexpr uint16_t kInterleave[32] = {
+      0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  alignas(64) static constexpr uint16_t kLow[32] = {
+      0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t kHigh[32] = {
+      16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  const __m512i low = _mm512_load_si512(kLow);
+  const __m512i high = _mm512_load_si512(kHigh);
+  const int64_t pairs = (num_keys + 1) / 2;
+  for (int64_t j = 0; j < pairs; ++j) {
+    const float* even = s.scores.data() + 2 * j * s.ld;
+    const bool has_odd = 2 * j + 1 < num_keys;
+    for (int64_t r = 0; r < s.ld; r += kLanes) {
+      const __m512 a = _mm512_loadu_ps(even + r);
+      const __m512 b = has_odd ? _mm512_loadu_ps(even + s.ld + r) : _mm512_setzero_ps();
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a in lanes 0-15, b 16-31
+      _mm512_storeu_si512(s.probs.data() + j * s.ld + r, _mm512_permutexvar_epi16(interleave, both));
+    }
+    const uint16_t* v_even = s.value_rows[2 * j];
+    const uint16_t* v_odd = s.value_rows[2 * j + 1];  // the zero row past the last key
+    uint32_t* dst = s.values.data() + j * s.dims;
+    for (int64_t d = 0; d < head_dim; d += 32) {
+      const int64_t left = std::min<int64_t>(32, head_dim - d);
+      const __mmask32 keep = left == 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
+      const __m512i a = _mm512_maskz_loadu_epi16(keep, v_even + d);
+      const __m512i b = _mm512_maskz_loadu_epi16(keep, v_odd + d);
+      const __mmask16 keep_low = static_cast<__mmask16>(left >= 16 ? 0xffff : (1u << left) - 1);
+      _mm512_mask_storeu_epi32(dst + d, keep_low, _mm512_permutex2var_epi16(a, low, b));
+      if (left > 16) {
+        const __mmask16 keep_high = static_cast<__mmask16>(left == 32 ? 0xffff : (1u << (left - 16)) - 1);
+        _mm512_mask_storeu_epi32(dst + d + 16, keep_high, _mm512_permutex2var_epi16(a, high, b));
+      }
+    }
+  }
+}
+
+// out[d][rows] = out[d][rows] * correction + sum_j values[j][d] . probs[j][rows], for D head
+// dims and V row vectors.
+template <int D, int V>
+KVSERVE_BF16_TARGET inline void output_block(const uint32_t* values, int64_t dims,
+                                             const uint32_t* probs, int64_t ld, int64_t pairs,
+                                             const float* correction, float* out) {
+  __m512 acc[D][V];
+  for (int v = 0; v < V; ++v) {
+    const __m512 scale = _mm512_loadu_ps(correction + v * kLanes);
+    for (int d = 0; d < D; ++d) acc[d][v] = _mm512_mul_ps(_mm512_loadu_ps(out + d * ld + v * kLanes), scale);
+  }
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m512bh p[V];
+    for (int v = 0; v < V; ++v) p[v] = (__m512bh)_mm512_loadu_si512(probs + j * ld + v * kLanes);
+    for (int d = 0; d < D; ++d) {
+      const auto pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(values[j * dims + d]));
+      for (int v = 0; v < V; ++v) acc[d][v] = _mm512_dpbf16_ps(acc[d][v], pair, p[v]);
+    }
+  }
+  for (int d = 0; d < D; ++d)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + d * ld + v * kLanes, acc[d][v]);
+}
+
+template <int V>
+KVSERVE_BF16_TARGET void output_dims(Scratch& s, int64_t pairs, int64_t vector) {
+  const int64_t r = vector * kLanes;
+  for (int64_t d = 0; d < s.dims; d += kDimBlock) {
+    output_block<kDimBlock, V>(s.values.data() + d, s.dims, s.probs.data() + r, s.ld, pairs,
+                               s.correction.data() + r, s.out.data() + d * s.ld + r);
+  }
+}
+
+KVSERVE_BF16_TARGET void accumulate_output(Scratch& s, int64_t num_keys) {
+  const int64_t vectors = s.ld / kLanes;
+  const int64_t pairs = (num_keys + 1) / 2;
+  for (int64_t v = 0; v < vectors; v += kRowVectors) {
+    switch (std::min<int64_t>(kRowVectors, vectors - v)) {
+      case 4: output_dims<4>(s, pairs, v); break;
+      case 3: output_dims<3>(s, pairs, v); break;
+      case 2: output_dims<2>(s, pairs, v); break;
+      default: output_dims<1>(s, pairs, v); break;
+    }
+  }
+}
+
+// Rows stacked group-major (row g * tile + i is query i of head g): packs their pairs and
+// positions into the scratch.
+void load_queries(const Bf16Problem& p, const Task& task, int64_t tile, Scratch& s) {
+  const int64_t first_row = p.starts[task.span] + task.row_begin;
+  const int64_t first_position = p.computed[task.span] + task.row_begin;
+  for (int64_t g = 0; g < p.group; ++g) {
+    for (int64_t i = 0; i < tile; ++i) {
+      const int64_t r = g * tile + i;
+      const auto* q = reinterpret_cast<const uint16_t*>(
+          p.qkv + (first_row + i) * p.width + (task.head * p.group + g) * p.head_dim);
+      for (int64_t pair = 0; pair < p.head_dim / 2; ++pair) s.query[pair * s.ld + r] = load_pair(q + 2 * pair);
+      s.position[r] = static_cast<int32_t>(first_position + i);
+    }
+  }
+}
+
+void store_output(const Bf16Problem& p, const Task& task, int64_t tile, const Scratch& s) {
+  const int64_t first_row = p.starts[task.span] + task.row_begin;
+  for (int64_t g = 0; g < p.group; ++g) {
+    for (int64_t i = 0; i < tile; ++i) {
+      const int64_t r = g * tile + i;
+      const float inv_sum = 1.f / s.row_sum[r];
+      at::BFloat16* dst = p.out + (first_row + i) * p.num_heads * p.head_dim +
+                          (task.head * p.group + g) * p.head_dim;
+      for (int64_t d = 0; d < p.head_dim; ++d) dst[d] = s.out[d * s.ld + r] * inv_sum;
+    }
+  }
+}
+
+template <typename cache_t>
+void run_task(const Bf16Problem& p, const Task& task, Scratch& s) {
+  const int64_t tile = task.row_end - task.row_begin;
+  s.reset(p.group * tile, p.head_dim);
+  load_queries(p, task, tile, s);
+  const int64_t first_position = p.computed[task.span] + task.row_begin;
+  for (int64_t key_begin = 0; key_begin < task.keys; key_begin += kKeyTile) {
+    const int64_t num_keys = std::min(kKeyTile, task.keys - key_begin);
+    locate_rows<cache_t>(p, task, key_begin, num_keys, s);
+    score_tile(s, p.head_dim, num_keys);
+    softmax_tile(s, num_keys, key_begin, key_begin + num_keys > first_position + 1, p.scale);
+    pack_pairs(s, num_keys, p.head_dim);
+    accumulate_output(s, num_keys);
+  }
+  store_output(p, task, tile, s);
+}
+
+}  // namespace
+
+void run_bf16_tiles(const std::vector<Task>& tasks, const Bf16Problem& problem) {
+  TORCH_CHECK(bf16_tiles_supported(problem.head_dim), "bf16 prefill tiles need AVX512_BF16");
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+  with_cache_type(problem.cache_dtype, [&](auto tag) {
+    using cache_t = decltype(tag);
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+      Scratch scratch;
+      for (int64_t worker = begin; worker < end; ++worker) {
+        for (int64_t i = next.fetch_add(1); i < num_tasks; i = next.fetch_add(1)) {
+          run_task<cache_t>(problem, tasks[i], scratch);
+        }
+      }
+    });
+  });
+}
+
+#else
+
+void run_bf16_tiles(const std::vector<Task>&, const Bf16Problem&) {
+  TORCH_CHECK(false, "bf16 prefill tiles need an x86-64 build with AVX512_BF16");
+}
+
+#endif
+
+}  // namespace kvserve::prefill
