@@ -204,7 +204,7 @@ def test_bf16_prefill_over_many_key_tiles_matches_float32_math(native, shape):
     chunks = [SequenceChunk(c, n, ids) for (c, n), ids in zip(spans, blocks, strict=True)]
     meta = build_metadata(chunks, 16, torch.bfloat16, torch.device("cpu"))
     generator = torch.Generator().manual_seed(3)
-    qkv = (torch.randn(meta.slots.numel(), spec.q_size + 2 * spec.kv_size, generator=generator) * 4)
+    qkv = torch.randn(meta.slots.numel(), spec.q_size + 2 * spec.kv_size, generator=generator) * 4
     qkv = qkv.to(torch.bfloat16)
     native.write_kv(cache, 0, qkv, meta.slots, spec)
     exact = PagedKVCache(cache.pool, torch.float32)  # the same bf16 cache, float32 compute
