@@ -7,7 +7,8 @@ heads, 3 KV heads, head_dim 64, 30 layers, hidden 576, intermediate 1536):
   KV cache dtype; block tables are a random permutation of the pool (as a long-running
   server's are) and every call reads another layer, so the cache is cold as in a step;
 - a whole model's worth of int8 linear layers at 1-8 rows: fbgemm's dynamic-quantized
-  GEMM vs the row-major few-row kernel (``torch.ops.kvserve.int8_linear``);
+  GEMM vs the few-row kernels (``torch.ops.kvserve.int8_linear``, float; and
+  ``int8_linear_vnni``, integer, on CPUs with AVX512_VNNI);
 - the decoder's projections (no LM head) at 1-256 rows: int8 as the engine runs it
   (row-major kernel up to 4 rows, fbgemm beyond) vs int4 (``torch.ops.kvserve.int4_linear``);
 - a whole model's worth of bf16 linear layers (with the LM head) at 1-32 rows: torch's bf16
@@ -128,6 +129,14 @@ def rowwise_all(layers: list[Int8Linear], inputs: dict[int, torch.Tensor]) -> No
         torch.ops.kvserve.int8_linear(out, x, *layer.rowwise)
 
 
+def vnni_all(layers: list[Int8Linear], inputs: dict[int, torch.Tensor]) -> None:
+    for layer in layers:
+        assert layer.rowwise is not None
+        x = inputs[layer.in_features]
+        out = torch.empty(x.shape[0], layer.out_features)
+        torch.ops.kvserve.int8_linear_vnni(out, x, *layer.rowwise)
+
+
 def projection_shapes() -> list[tuple[int, int]]:
     """(out, in) of every decoder projection of SmolLM2-135M: fused QKV, O, gate-up, down."""
     spec = SMOLLM2
@@ -172,17 +181,24 @@ def bench_int8_linear(args: argparse.Namespace) -> None:
         warnings.simplefilter("ignore")
         layers = [Int8Linear.from_dense(torch.randn(o, i), rowwise=True) for o, i in shapes]
     weight_bytes = sum(o * i for o, i in shapes)
-    print(f"\nint8 linear layers of one decode step ({weight_bytes / 1e6:.0f} MB of weights)")
-    print("| rows | fbgemm | row-major kernel | speed-up |")
+    vnni = bool(torch.ops.kvserve.int8_vnni_supported())
+    bandwidth = read_bandwidth(args.repeats)
+    print(
+        f"\nint8 linear layers of one decode step ({weight_bytes / 1e6:.0f} MB of weights); "
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s, so the floor is "
+        f"{weight_bytes / bandwidth * 1e3:.2f} ms"
+        + ("" if vnni else " (no AVX512_VNNI on this CPU: no VNNI column)")
+    )
+    print("| rows | fbgemm | float kernel | VNNI kernel |")
     print("|---:|---:|---:|---:|")
     for rows in (1, 2, 4, 8):
         inputs = {i: torch.randn(rows, i) for _, i in shapes}
-        a = median_seconds(partial(fbgemm_all, layers, inputs), args.repeats)
-        b = median_seconds(partial(rowwise_all, layers, inputs), args.repeats)
-        print(
-            f"| {rows} | {a * 1e3:.1f} ms ({weight_bytes / a / 1e9:.1f} GB/s) | "
-            f"{b * 1e3:.1f} ms ({weight_bytes / b / 1e9:.1f} GB/s) | {a / b:.2f}x |"
-        )
+        runs = [fbgemm_all, rowwise_all, *([vnni_all] if vnni else [])]
+        cells = [
+            f"{t * 1e3:.1f} ms ({weight_bytes / t / 1e9:.1f} GB/s)"
+            for t in (median_seconds(partial(run, layers, inputs), args.repeats) for run in runs)
+        ]
+        print(f"| {rows} | " + " | ".join(cells) + (" |" if vnni else " | - |"))
 
 
 def read_bandwidth(repeats: int) -> float:

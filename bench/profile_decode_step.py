@@ -1,13 +1,14 @@
 """Where a single-stream decode step goes: operators vs Python and dispatch.
 
-The embedded model in bf16 through ``EngineCore`` (no HTTP), one greedy request of a
-256-token prompt; after 100 warm-up steps, 200 steps run under torch's profiler. Reported:
+The embedded model (bf16, or ``--quantization int8/int4``) through ``EngineCore`` (no HTTP),
+one greedy request of a 256-token prompt; after 100 warm-up steps, 200 steps run under torch's profiler. Reported:
 wall time per step, the operators' self time per step (every aten and kvserve op), and the
 rest (the Python of the engine and the model, and the dispatcher) as a share of the step.
 ``--bf16-kernel off`` turns the few-row bf16 kernel off on the same engine (the "before").
 
     PYTHONPATH=. .venv/bin/python bench/profile_decode_step.py --bf16-kernel on
     PYTHONPATH=. .venv/bin/python bench/profile_decode_step.py --bf16-kernel off --top 10
+    PYTHONPATH=. .venv/bin/python bench/profile_decode_step.py --quantization int4 --top 10
 """
 
 from __future__ import annotations
@@ -38,11 +39,17 @@ def bf16_kernel_layers(core: object) -> list[DenseLinear]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bf16-kernel", choices=["on", "off"], default="on")
+    parser.add_argument("--quantization", choices=["none", "int8", "int4"], default="none")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=0, help="also print the N costliest ops")
     args = parser.parse_args()
     built = build_engine(
-        EngineArgs(dtype="bfloat16", enable_prefix_caching=False, max_step_time_ms=0)
+        EngineArgs(
+            dtype="bfloat16",
+            quantization=args.quantization,
+            enable_prefix_caching=False,
+            max_step_time_ms=0,
+        )
     )
     core = built.core
     layers = bf16_kernel_layers(core)
@@ -64,7 +71,7 @@ def main() -> None:
     ops = sum(event.self_cpu_time_total for event in events) / 1e6
     per_step = 1e3 / args.steps
     print(
-        f"bf16 kernel {args.bf16_kernel}: {wall * per_step:.2f} ms a step (profiled); "
+        f"{args.quantization}, bf16 kernel {args.bf16_kernel}: {wall * per_step:.2f} ms a step (profiled); "
         f"operators {ops * per_step:.2f} ms; Python and dispatch "
         f"{(wall - ops) * per_step:.2f} ms = {100 * (wall - ops) / wall:.0f}% of the step"
     )

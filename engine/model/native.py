@@ -28,6 +28,7 @@ SOURCES = (
     "prefill_attention.cpp",
     "prefill_attention_bf16.cpp",
     "int8_linear.cpp",
+    "int8_linear_vnni.cpp",
     "int4_linear.cpp",
     "bf16_linear.cpp",
     "token_mask.cpp",

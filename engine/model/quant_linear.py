@@ -7,7 +7,9 @@ for ``Int8Linear`` after loading:
 - weights: symmetric per-output-channel qint8 (scale = max|row| / 127, zero point 0),
   prepacked once into fbgemm's blocked layout;
 - activations: quantized per call, per tensor (dynamic quantization), with the 7-bit
-  ``reduce_range`` that x86's u8 x s8 multiply-add needs to avoid int16 saturation.
+  ``reduce_range`` that x86's u8 x s8 multiply-add needs to avoid int16 saturation;
+- decode steps of a few rows take a native kernel instead (``Int8Linear``'s docstring):
+  integer dot products with VNNI where the CPU has it, float ones elsewhere.
 
 CPU only: fbgemm has no CUDA kernels, so int8 on CUDA is refused with a message naming
 the flag. The quantization cost is paid once; each call then reads a quarter of the
@@ -43,6 +45,8 @@ ROWWISE_MAX_ROWS = 4
 # 3-5x torch's bf16 GEMM (oneDNN) at 1-4 rows on SmolLM2's projections, 2x at 8, slower
 # from ~12 on (bench/bench_kernels.py --bf16).
 BF16_ROWWISE_MAX_ROWS = 8
+# Activation dtypes the VNNI int8 kernel reads (and writes) directly.
+VNNI_DTYPES = (torch.float32, torch.bfloat16)
 # The row-major copy keeps one float32 scale per output channel beside its int8 weights.
 ROWWISE_CHANNEL_BYTES = 4
 INT8_MAX = 127
@@ -103,14 +107,20 @@ class Int8Linear:
 
     With ``rowwise`` (the native kernels are loaded) a second, row-major copy of the same
     int8 weights and their float32 scales serves calls of at most ``ROWWISE_MAX_ROWS``
-    rows (decode steps of one to four sequences) through ``torch.ops.kvserve.int8_linear``:
-    activations stay float32 (no per-call activation quantization, so these rows are
-    exact up to float rounding) and the weights stream from memory at 1.0-1.4x fbgemm's
-    rate at one or two rows, about even at four (bench/bench_kernels.py). Larger batches
-    use fbgemm's integer GEMM, which is faster once the step is compute-bound.
+    rows (decode steps of one to four sequences), in float32 or bfloat16, through one of
+    two kernels chosen once from the CPU's features:
+
+    - ``torch.ops.kvserve.int8_linear_vnni`` on CPUs with AVX512_VNNI (``in_features`` a
+      multiple of 64): activations quantized per group of 64 (llama.cpp's Q8_0 grid),
+      integer dot products (vpdpbusd), so the weights stream at the memory's rate;
+    - ``torch.ops.kvserve.int8_linear`` elsewhere: float32 activations (exact up to float
+      rounding), each weight widened to float, compute-bound at about half that rate.
+
+    Larger batches use fbgemm's integer GEMM (per-tensor 7-bit activations), which is
+    faster once the step is compute-bound (bench/bench_kernels.py).
     """
 
-    __slots__ = ("bias", "in_features", "out_features", "packed", "rowwise")
+    __slots__ = ("bias", "in_features", "out_features", "packed", "rowwise", "vnni")
 
     def __init__(
         self,
@@ -127,6 +137,7 @@ class Int8Linear:
         # at the same width as in the dense model.
         self.bias = bias
         self.rowwise = rowwise  # (int8 [out, in], float32 scales [out])
+        self.vnni = rowwise is not None and in_features % 64 == 0 and int8_vnni_supported()
 
     @classmethod
     def from_dense(
@@ -144,17 +155,25 @@ class Int8Linear:
         return cls(packed, out_features, in_features, bias, copy)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # fbgemm takes float32 activations; a bf16/fp16 model converts at the boundary.
-        # (Checked first: even a no-op .to() costs microseconds, 240 times a step.)
-        if x.dtype == torch.float32:
-            if self.rowwise is not None and x.shape[0] <= ROWWISE_MAX_ROWS:
-                y = x.new_empty(x.shape[0], self.out_features)
-                torch.ops.kvserve.int8_linear(y, x.contiguous(), *self.rowwise)
-            else:
-                y = torch.ops.quantized.linear_dynamic(x, self.packed, True)
-        else:
+        if self.rowwise is not None and x.shape[0] <= ROWWISE_MAX_ROWS:
+            y = self._few_rows(x.contiguous())
+        elif x.dtype == torch.float32:
+            y = torch.ops.quantized.linear_dynamic(x, self.packed, True)
+        else:  # fbgemm takes float32 activations: a bf16/fp16 model converts at the boundary
             y = torch.ops.quantized.linear_dynamic(x.float(), self.packed, True).to(x.dtype)
         return y if self.bias is None else y.add_(self.bias)
+
+    def _few_rows(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.rowwise is not None
+        if self.vnni and x.dtype in VNNI_DTYPES:
+            y = x.new_empty(x.shape[0], self.out_features)
+            torch.ops.kvserve.int8_linear_vnni(y, x, *self.rowwise)
+            return y
+        # (Checked first: even a no-op .to() costs microseconds, 240 times a step.)
+        x32 = x if x.dtype == torch.float32 else x.float()
+        y = x32.new_empty(x.shape[0], self.out_features)
+        torch.ops.kvserve.int8_linear(y, x32, *self.rowwise)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -306,6 +325,11 @@ def quantize_weights(
     layers = [_quantize_layer(layer, method, rowwise) for layer in weights.layers]
     lm_head = _to_int8(weights.lm_head, rowwise)
     return dataclasses.replace(weights, layers=layers, lm_head=lm_head)
+
+
+def int8_vnni_supported() -> bool:
+    """Whether the few-row int8 layers take the VNNI kernel on this CPU."""
+    return load_native_ops() and bool(torch.ops.kvserve.int8_vnni_supported())
 
 
 def bf16_rowwise_supported(weight: torch.Tensor) -> bool:

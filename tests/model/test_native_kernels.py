@@ -312,10 +312,75 @@ def test_int8_linear_matches_dequantized_weights(native, rows, in_features):
     # Through the layer: few rows take this kernel, more rows fbgemm; both near the dense op.
     dense = x @ weight.T
     assert (linear(x) - dense).abs().max() < 0.05 * dense.abs().max()
-    if rows <= ROWWISE_MAX_ROWS:
-        torch.testing.assert_close(linear(x), expected, atol=1e-4, rtol=1e-5)
+    if rows <= ROWWISE_MAX_ROWS:  # the layer's few-row kernel: VNNI where the CPU has it
+        few_rows = vnni_reference(x, int8, scales) if linear.vnni else expected
+        torch.testing.assert_close(linear(x), few_rows, atol=1e-4, rtol=1e-5)
     rowwise_bytes = int8.numel() + ROWWISE_CHANNEL_BYTES * 37
     assert linear.nbytes == Int8Linear.from_dense(weight).nbytes + rowwise_bytes
+
+
+def vnni_reference(x: torch.Tensor, int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What the VNNI kernel computes, in float64: activations rounded (half to even) to
+    int8 per group of 64 at max|x| / 127, exact integer dot products, then the scales."""
+    rows, in_features = x.shape
+    groups = x.float().view(rows, in_features // 64, 64)
+    largest = groups.abs().amax(-1, keepdim=True)
+    # (a tensor quotient: ``127.0 / largest`` is 127 * (1 / largest) in torch, one rounding
+    # more than the kernel's division, which moves values sitting on a .5 tie)
+    inverse = torch.where(largest > 0, torch.full_like(largest, 127.0) / largest, 0.0)
+    codes = torch.round(groups * inverse).double()
+    dots = torch.einsum("rgk,ngk->rng", codes, int8.double().view(-1, in_features // 64, 64))
+    per_group = (largest / 127.0).double().squeeze(-1)  # [rows, groups]
+    y = (dots * per_group[:, None, :]).sum(-1) * scales.double()
+    return y.to(x.dtype)
+
+
+def _needs_vnni() -> None:
+    if not torch.ops.kvserve.int8_vnni_supported():
+        pytest.skip("this CPU has no AVX512_VNNI (the VNNI int8 kernel is never used on it)")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("in_features", [64, 192, 576])  # 1, 3 and 9 groups: odd tails
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_vnni_linear_matches_group_quantized_math(native, rows, in_features, dtype):
+    """The VNNI kernel equals int8 activations (per group of 64) times int8 weights summed
+    exactly, up to float32 rounding of the per-group sums; and it stays within int8's
+    rounding of the float kernel's exact-activation result."""
+    _needs_vnni()
+    torch.manual_seed(rows * in_features)
+    linear = Int8Linear.from_dense(torch.randn(70, in_features), rowwise=True)
+    assert linear.rowwise is not None and linear.vnni
+    int8, scales = linear.rowwise
+    x = (torch.randn(rows, in_features) * torch.linspace(0.1, 3, in_features)).to(dtype)
+    x[0, :64] = 0.0  # an all-zero group: scale 0, no division by zero
+    out = torch.empty(rows, 70, dtype=dtype)
+    torch.ops.kvserve.int8_linear_vnni(out, x.contiguous(), int8, scales)
+    expected = vnni_reference(x, int8, scales)
+    tolerance = 1e-4 if dtype == torch.float32 else 8e-3  # bf16 out: one rounding
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+    exact = x.float() @ (int8.float() * scales[:, None]).T
+    assert (out.float() - exact).abs().max() <= 0.02 * exact.abs().max()
+    if rows <= ROWWISE_MAX_ROWS:  # the layer's few-row path is this kernel
+        torch.testing.assert_close(linear(x), out)
+
+
+def test_int8_vnni_only_where_it_can_run(native):
+    """The layer takes the VNNI kernel exactly when the CPU has it and in_features is a
+    multiple of 64; the op refuses other shapes and mixed dtypes with a message."""
+    supported = bool(torch.ops.kvserve.int8_vnni_supported())
+    assert Int8Linear.from_dense(torch.randn(8, 128), rowwise=True).vnni == supported
+    assert not Int8Linear.from_dense(torch.randn(8, 100), rowwise=True).vnni
+    assert not Int8Linear.from_dense(torch.randn(8, 128)).vnni  # no row-major copy
+    if not supported:
+        return
+    int8, scales = torch.zeros(8, 96, dtype=torch.int8), torch.ones(8)
+    with pytest.raises(RuntimeError, match="divisible by 64"):
+        torch.ops.kvserve.int8_linear_vnni(torch.empty(1, 8), torch.randn(1, 96), int8, scales)
+    int8 = torch.zeros(8, 64, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="float32 or both bfloat16"):
+        out = torch.empty(1, 8, dtype=torch.bfloat16)
+        torch.ops.kvserve.int8_linear_vnni(out, torch.randn(1, 64), int8, scales)
 
 
 def _needs_avx512_bf16() -> None:

@@ -43,6 +43,11 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& qkv, const at::T
 void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                  const at::Tensor& scales);
 
+// int8_linear_vnni.cpp
+bool int8_vnni_supported();
+void int8_linear_vnni(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                      const at::Tensor& scales);
+
 // bf16_linear.cpp
 bool bf16_linear_supported();
 void bf16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight);

@@ -24,9 +24,11 @@ TORCH_LIBRARY(kvserve, m) {
       "int num_kv_heads, float scale, Tensor? key_scale=None, Tensor? value_scale=None) -> ()");
   m.def("int8_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor scales) -> ()");
   m.def("int4_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor params) -> ()");
+  m.def("int8_linear_vnni(Tensor(a!) out, Tensor x, Tensor weight, Tensor scales) -> ()");
   m.def("bf16_linear(Tensor(a!) out, Tensor x, Tensor weight) -> ()");
   // No tensor argument, so no dispatch key: one implementation for every backend.
   m.def("bf16_linear_supported() -> bool", &kvserve::bf16_linear_supported);
+  m.def("int8_vnni_supported() -> bool", &kvserve::int8_vnni_supported);
   m.def(
       "apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, int[] rows, int[] mask_rows, "
       "int vocab_size) -> ()");
@@ -42,6 +44,7 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("paged_decode_attention", &kvserve::paged_decode_attention);
   m.impl("paged_prefill_attention", &kvserve::paged_prefill_attention);
   m.impl("int8_linear", &kvserve::int8_linear);
+  m.impl("int8_linear_vnni", &kvserve::int8_linear_vnni);
   m.impl("int4_linear", &kvserve::int4_linear);
   m.impl("bf16_linear", &kvserve::bf16_linear);
   m.impl("apply_token_bitmask_", &kvserve::apply_token_bitmask_);
