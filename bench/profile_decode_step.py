@@ -1,7 +1,8 @@
 """Where a single-stream decode step goes: operators vs Python and dispatch.
 
-The embedded model (bf16, or ``--quantization int8/int4``) through ``EngineCore`` (no HTTP),
-one greedy request of a 256-token prompt; after 100 warm-up steps, 200 steps run under torch's profiler. Reported:
+The embedded model (bf16, or ``--quantization int8/int4``) through ``EngineCore`` (no
+HTTP), one greedy request of a 256-token prompt; after 100 warm-up steps, 200 steps run
+under torch's profiler. Reported:
 wall time per step, the operators' self time per step (every aten and kvserve op), and the
 rest (the Python of the engine and the model, and the dispatcher) as a share of the step.
 ``--bf16-kernel off`` turns the few-row bf16 kernel off on the same engine (the "before").
@@ -71,7 +72,8 @@ def main() -> None:
     ops = sum(event.self_cpu_time_total for event in events) / 1e6
     per_step = 1e3 / args.steps
     print(
-        f"{args.quantization}, bf16 kernel {args.bf16_kernel}: {wall * per_step:.2f} ms a step (profiled); "
+        f"{args.quantization}, bf16 kernel {args.bf16_kernel}: "
+        f"{wall * per_step:.2f} ms a step (profiled); "
         f"operators {ops * per_step:.2f} ms; Python and dispatch "
         f"{(wall - ops) * per_step:.2f} ms = {100 * (wall - ops) / wall:.0f}% of the step"
     )
