@@ -45,7 +45,7 @@ ROWWISE_MAX_ROWS = 4
 # 3-5x torch's bf16 GEMM (oneDNN) at 1-4 rows on SmolLM2's projections, 2x at 8, slower
 # from ~12 on (bench/bench_kernels.py --bf16).
 BF16_ROWWISE_MAX_ROWS = 8
-# Activation dtypes the VNNI int8 kernel reads (and writes) directly.
+# Activation dtypes the VNNI int8 kernel and the int4 kernel read (and write) directly.
 VNNI_DTYPES = (torch.float32, torch.bfloat16)
 # The row-major copy keeps one float32 scale per output channel beside its int8 weights.
 ROWWISE_CHANNEL_BYTES = 4
@@ -225,10 +225,13 @@ class Int4Linear:
         return cls(packed, params, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x if x.dtype == torch.float32 else x.float()
-        y = x32.new_empty(x.shape[0], self.out_features)
-        torch.ops.kvserve.int4_linear(y, x32.contiguous(), self.packed, self.params)
-        y = y if x.dtype == torch.float32 else y.to(x.dtype)
+        if x.dtype in VNNI_DTYPES:  # float32 and bf16 go in and come out as they are
+            y = x.new_empty(x.shape[0], self.out_features)
+            torch.ops.kvserve.int4_linear(y, x.contiguous(), self.packed, self.params)
+        else:
+            y = x.new_empty(x.shape[0], self.out_features, dtype=torch.float32)
+            torch.ops.kvserve.int4_linear(y, x.float().contiguous(), self.packed, self.params)
+            y = y.to(x.dtype)
         return y if self.bias is None else y.add_(self.bias)
 
     @property

@@ -75,19 +75,21 @@ struct QuantizedRows {
   std::vector<float> paired_sums;  // [rows, groups, 2]
 };
 
-QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in) {
+template <typename scalar_t>
+QuantizedRows quantize_rows(const scalar_t* x, int64_t rows, int64_t in) {
   QuantizedRows out;
   out.groups = in / kGroup;
   out.values.resize(rows * in);
   out.scales.resize(rows * out.groups);
   out.paired_sums.assign(rows * out.groups * 2, 0.f);
   for (int64_t at = 0; at < rows * out.groups; ++at) {
-    const float* src = x + at * kGroup;
+    const scalar_t* src = x + at * kGroup;
     int8_t* dst = out.values.data() + at * kGroup;
     float amax = 0.f, sum = 0.f;
     for (int64_t j = 0; j < kGroup; ++j) {
-      amax = std::max(amax, std::fabs(src[j]));
-      sum += src[j];
+      const float value = static_cast<float>(src[j]);
+      amax = std::max(amax, std::fabs(value));
+      sum += value;
     }
     const float inverse = amax > 0.f ? 127.f / amax : 0.f;
 #ifdef KVSERVE_AVX2
@@ -95,7 +97,7 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in) {
     // and undo the lane interleaving the two packs introduce.
     __m256i lanes[4];
     for (int j = 0; j < 4; ++j) {
-      lanes[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + 8 * j), _mm256_set1_ps(inverse)));
+      lanes[j] = _mm256_cvtps_epi32(_mm256_mul_ps(load8(src + 8 * j), _mm256_set1_ps(inverse)));
     }
     const __m256i words = _mm256_packs_epi32(lanes[0], lanes[1]);
     const __m256i words2 = _mm256_packs_epi32(lanes[2], lanes[3]);
@@ -103,7 +105,7 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in) {
     const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), ordered);
 #else
-    for (int64_t j = 0; j < kGroup; ++j) dst[j] = static_cast<int8_t>(std::nearbyint(src[j] * inverse));
+    for (int64_t j = 0; j < kGroup; ++j) dst[j] = static_cast<int8_t>(std::nearbyint(static_cast<float>(src[j]) * inverse));
 #endif
     out.scales[at] = amax / 127.f;
     out.paired_sums[2 * at + 1] = sum;
@@ -341,9 +343,9 @@ void dequantize_row(const uint8_t* q, const at::Half* params, int64_t groups, fl
 // Every activation row against each weight row while it is in L1: the weights stream from
 // memory once per call whatever the row count. dots(r, take, q_n, params_n, out) computes
 // rows [r, r + take) against one weight row.
-template <typename Dots>
+template <typename scalar_t, typename Dots>
 void for_each_weight_row(int64_t rows, int64_t in, int64_t outs, const uint8_t* q,
-                         const at::Half* params, float* out, const Dots& dots) {
+                         const at::Half* params, scalar_t* out, const Dots& dots) {
   const int64_t groups = in / kGroup;
   at::parallel_for(0, outs, 64, [&](int64_t begin, int64_t end) {
     float results[kRowBlock];
@@ -357,8 +359,9 @@ void for_each_weight_row(int64_t rows, int64_t in, int64_t outs, const uint8_t* 
   });
 }
 
-void integer_rows(const float* x, int64_t rows, int64_t in, int64_t outs, const uint8_t* q,
-                const at::Half* params, float* out) {
+template <typename scalar_t>
+void integer_rows(const scalar_t* x, int64_t rows, int64_t in, int64_t outs, const uint8_t* q,
+                  const at::Half* params, scalar_t* out) {
 #ifdef KVSERVE_AVX2
   const QuantizedRows xq = quantize_rows(x, rows, in);
 #ifdef KVSERVE_HAVE_VNNI_KERNEL
@@ -424,11 +427,18 @@ void tiled_rows(const float* x, int64_t rows, int64_t in, int64_t outs, const ui
 
 }  // namespace
 
+// out = x @ W.T for x [rows, in] and out [rows, out] both float32 or both bfloat16 (a bf16
+// model's decode rows are quantized straight from bf16; the many-row path computes in
+// float32 and converts at its ends).
 void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                  const at::Tensor& params) {
-  check_float_rows(out, x);
+  check_cpu_contiguous(out, "out");
+  check_cpu_contiguous(x, "x");
   check_cpu_contiguous(qweight, "qweight");
   check_cpu_contiguous(params, "params");
+  TORCH_CHECK(x.scalar_type() == out.scalar_type() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x and out must both be float32 or both bfloat16");
   TORCH_CHECK(qweight.scalar_type() == at::kByte, "qweight must be uint8");
   TORCH_CHECK(params.scalar_type() == at::kHalf, "params must be float16");
   const int64_t rows = x.size(0);
@@ -441,18 +451,24 @@ void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight
               "params must be [out, in / 32, 2]");
   TORCH_CHECK(out.size(0) == rows && out.size(1) == outs, "out must be [rows, out]");
   if (rows == 0) return;
-  const float* xp = x.data_ptr<float>();
   const uint8_t* qp = qweight.data_ptr<uint8_t>();
   const at::Half* pp = params.data_ptr<at::Half>();
-  float* op = out.data_ptr<float>();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
   bool integer = rows <= kIntegerMaxRows;
 #ifndef KVSERVE_AVX2
   integer = false;
 #endif
-  if (integer) {
-    integer_rows(xp, rows, in, outs, qp, pp, op);
+  if (integer && bf16) {
+    integer_rows(x.data_ptr<at::BFloat16>(), rows, in, outs, qp, pp, out.data_ptr<at::BFloat16>());
+  } else if (integer) {
+    integer_rows(x.data_ptr<float>(), rows, in, outs, qp, pp, out.data_ptr<float>());
+  } else if (bf16) {
+    const at::Tensor x32 = x.to(at::kFloat);
+    at::Tensor out32 = at::empty({rows, outs}, x32.options());
+    tiled_rows(x32.data_ptr<float>(), rows, in, outs, qp, pp, out32.data_ptr<float>());
+    out.copy_(out32);
   } else {
-    tiled_rows(xp, rows, in, outs, qp, pp, op);
+    tiled_rows(x.data_ptr<float>(), rows, in, outs, qp, pp, out.data_ptr<float>());
   }
 }
 
