@@ -120,9 +120,7 @@ def test_int4_linear_computes_its_reference(rows, out_features, in_features):
     x16 = x.to(torch.bfloat16)
     from_bf16 = linear(x16)
     assert from_bf16.dtype == torch.bfloat16
-    torch.testing.assert_close(
-        from_bf16.float(), linear(x16.float()), rtol=8e-3, atol=8e-3 * scale
-    )
+    torch.testing.assert_close(from_bf16.float(), linear(x16.float()), rtol=8e-3, atol=8e-3 * scale)
 
 
 def test_int4_linear_bytes_are_the_packed_sizes():
