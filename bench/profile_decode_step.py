@@ -43,6 +43,11 @@ def main() -> None:
     parser.add_argument("--quantization", choices=["none", "int8", "int4"], default="none")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=0, help="also print the N costliest ops")
+    parser.add_argument(
+        "--no-torch-profiler",
+        action="store_true",
+        help="time the steps only (for an outside sampler such as py-spy)",
+    )
     args = parser.parse_args()
     built = build_engine(
         EngineArgs(
@@ -63,6 +68,12 @@ def main() -> None:
     core.add_request([Request("r", prompt, params, eos_token_ids=built.eos_token_ids)])
     for _ in range(100):
         core.step()
+    if args.no_torch_profiler:
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            core.step()
+        print(f"{args.quantization}: {(time.perf_counter() - start) * 1e3 / args.steps:.2f} ms a step")
+        return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(args.steps):
