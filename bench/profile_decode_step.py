@@ -72,7 +72,9 @@ def main() -> None:
         start = time.perf_counter()
         for _ in range(args.steps):
             core.step()
-        print(f"{args.quantization}: {(time.perf_counter() - start) * 1e3 / args.steps:.2f} ms a step")
+        print(
+            f"{args.quantization}: {(time.perf_counter() - start) * 1e3 / args.steps:.2f} ms a step"
+        )
         return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
