@@ -35,6 +35,12 @@ class LayerWeights:
         projections = (self.qkv, self.o_proj, self.gate_up, self.down)
         return norms + sum(linear.nbytes for linear in projections)
 
+    @property
+    def decode_nbytes(self) -> int:
+        norms = _tensor_bytes(self.input_norm) + _tensor_bytes(self.post_norm)
+        projections = (self.qkv, self.o_proj, self.gate_up, self.down)
+        return norms + sum(linear.decode_nbytes for linear in projections)
+
 
 @dataclass
 class LlamaWeights:
@@ -53,6 +59,15 @@ class LlamaWeights:
         total = _tensor_bytes(self.embed) + _tensor_bytes(self.final_norm)
         total += sum(layer.nbytes for layer in self.layers)
         return total if self.lm_head_tied else total + self.lm_head.nbytes
+
+    @property
+    def decode_nbytes(self) -> int:
+        """Bytes of weights one decode step of a single sequence streams: every layer's
+        norms and few-row projection copies, the final norm and the LM head (the
+        embedding itself only when the head is tied to it; a lookup reads one row). The
+        memory floor of a batch-1 token is this over the read bandwidth."""
+        layers = sum(layer.decode_nbytes for layer in self.layers)
+        return layers + _tensor_bytes(self.final_norm) + self.lm_head.decode_nbytes
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:

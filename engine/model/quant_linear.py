@@ -71,6 +71,11 @@ class Linear(Protocol):
         """Bytes of the stored parameters (weights, bias, scales)."""
         ...
 
+    @property
+    def decode_nbytes(self) -> int:
+        """Bytes a one-row call reads: the copy its few-row kernel streams, where it has one."""
+        ...
+
 
 class DenseLinear:
     """A weight tensor (and optional bias) in the serving dtype, applied with F.linear.
@@ -100,6 +105,10 @@ class DenseLinear:
     @property
     def nbytes(self) -> int:
         return _tensor_bytes(self.weight) + _tensor_bytes(self.bias)
+
+    @property
+    def decode_nbytes(self) -> int:
+        return self.nbytes
 
 
 class Int8Linear:
@@ -182,6 +191,12 @@ class Int8Linear:
         copy = 0 if self.rowwise is None else sum(map(_tensor_bytes, self.rowwise))
         return weights + scales + copy + _tensor_bytes(self.bias)
 
+    @property
+    def decode_nbytes(self) -> int:
+        if self.rowwise is None:  # fbgemm's packed weights and per-channel parameters
+            return self.nbytes
+        return sum(map(_tensor_bytes, (*self.rowwise, self.bias)))
+
     def unpack(self) -> torch.Tensor:
         """The quantized weight as fbgemm holds it (a per-channel qint8 tensor)."""
         weight, _ = torch.ops.quantized.linear_unpack(self.packed)
@@ -237,6 +252,10 @@ class Int4Linear:
     @property
     def nbytes(self) -> int:
         return sum(map(_tensor_bytes, (self.packed, self.params, self.bias)))
+
+    @property
+    def decode_nbytes(self) -> int:
+        return self.nbytes
 
     def dequantize(self) -> torch.Tensor:
         """The float32 ``[out, in]`` weight the kernel multiplies by."""

@@ -218,6 +218,39 @@ def test_projections_are_int4_and_the_head_int8(tiny_llama_factory):
     assert quantized.nbytes == expected + sum(linear.nbytes for linear in linears)
 
 
+def test_a_decode_token_streams_the_few_row_copies_and_not_the_embedding(tiny_llama_factory):
+    """decode_nbytes, the weights a batch-1 step reads: the dense model streams its tied
+    embedding as the LM head; int8 the row-major copies (not fbgemm's packed ones); int4
+    the Q4_1 projections and the int8 head's row-major copy; never the embedding table
+    when the head is not the embedding (a lookup reads one row)."""
+    _, reference = tiny_llama_factory(tie_embeddings=True)
+    dense = model_from_reference(reference).weights
+    norms = sum(
+        t.numel() * t.element_size()
+        for t in [dense.final_norm]
+        + [t for layer in dense.layers for t in (layer.input_norm, layer.post_norm)]
+    )
+    assert dense.decode_nbytes == dense.nbytes  # tied: the embedding is the LM head
+    int8 = quantize_weights(dense, "int8", rowwise=True)
+    int4 = quantize_weights(dense, "int4", rowwise=True)
+    for quantized in (int8, int4):
+        head = quantized.lm_head
+        assert isinstance(head, Int8Linear) and head.rowwise is not None
+        head_copy = sum(t.numel() * t.element_size() for t in head.rowwise)
+        projections = sum(
+            linear.decode_nbytes
+            for layer in quantized.layers
+            for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        )
+        assert quantized.decode_nbytes == norms + projections + head_copy
+    int8_projections = int8.layers[0].qkv
+    assert isinstance(int8_projections, Int8Linear) and int8_projections.rowwise is not None
+    assert int8_projections.decode_nbytes == sum(
+        t.numel() * t.element_size() for t in int8_projections.rowwise
+    )
+    assert int4.decode_nbytes < int8.decode_nbytes < int8.nbytes
+
+
 def test_engine_and_plan_agree_on_int4_weights_and_generate(tiny_model_dir):
     """build_engine(quantization=int4): weight bytes equal `kvserve plan`'s, and greedy
     generation runs; each first token is within the int4 error bound of float32's best."""
