@@ -144,11 +144,11 @@ def test_quantized_cache_decode_attention_matches_torch(native, kv_dtype):
     value scale); fp8 ones defer to torch. Both backends write quantized caches alike."""
     spec = make_spec(9, 3, 64)
     shape = spec.kv_shape(kv_dtype)
-    block_size, contexts = 4, [2, 9, 31]
+    block_size, contexts = 4, [2, 9, 31, 300]  # 300: three 128-token partitions, merged
     cache = PagedKVCache(
-        KVPool(KVPoolLayout(shape, 64, block_size), torch.device("cpu")), torch.float32
+        KVPool(KVPoolLayout(shape, 128, block_size), torch.device("cpu")), torch.float32
     )
-    tables = BlockTables(64, seed=5)
+    tables = BlockTables(128, seed=5)
     blocks = [tables.allocate(ctx, block_size) for ctx in contexts]
     width = spec.q_size + 2 * spec.kv_size
     for ctx, ids in zip(contexts, blocks, strict=True):

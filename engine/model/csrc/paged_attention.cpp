@@ -150,83 +150,121 @@ inline void prefetch_block(const void* start, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 1);
 }
 
-// Calls fn(row, t, slot) for the first `context` tokens of one KV head's slab, in order:
-// row points at token t's head_dim values, slot is its index within the slab (for per-token
+// Calls fn(row, t, slot) for tokens [begin, end) of one KV head's slab, in order: row
+// points at token t's head_dim values, slot is its index within the slab (for per-token
 // scales). Walks block by block, asking for the next block's lines before they are needed.
 template <typename cache_t, typename F>
-inline void for_each_cached_token(const cache_t* head, const int64_t* blocks, int64_t context,
-                                  int64_t block_size, int64_t head_dim, F&& fn) {
+inline void for_each_cached_token(const cache_t* head, const int64_t* blocks, int64_t begin,
+                                  int64_t end, int64_t block_size, int64_t head_dim, F&& fn) {
   const int64_t block_elems = block_size * head_dim;
   const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(cache_t));
-  const int64_t used = (context + block_size - 1) / block_size;
-  for (int64_t i = 0; i < used; ++i) {
-    if (i + 1 < used) prefetch_block(head + blocks[i + 1] * block_elems, block_bytes);
+  const int64_t last = (end + block_size - 1) / block_size;
+  for (int64_t i = begin / block_size; i < last; ++i) {
+    if (i + 1 < last) prefetch_block(head + blocks[i + 1] * block_elems, block_bytes);
     const cache_t* block = head + blocks[i] * block_elems;
-    const int64_t n = std::min(block_size, context - i * block_size);
-    for (int64_t j = 0; j < n; ++j) {
-      fn(block + j * head_dim, i * block_size + j, blocks[i] * block_size + j);
+    const int64_t first = i * block_size;
+    for (int64_t t = std::max(begin, first); t < std::min(end, first + block_size); ++t) {
+      fn(block + (t - first) * head_dim, t, blocks[i] * block_size + (t - first));
     }
   }
 }
 
-// Multiplies one token's entry in every query head's row of a [group, context] matrix.
-inline void scale_column(float* column, int64_t context, int64_t group, float factor) {
-  for (int64_t g = 0; g < group; ++g) column[g * context] *= factor;
+// Multiplies one token's entry in every query head's row of a [group, tokens] matrix.
+inline void scale_column(float* column, int64_t tokens, int64_t group, float factor) {
+  for (int64_t g = 0; g < group; ++g) column[g * tokens] *= factor;
 }
 
-// Scratch space one thread reuses across its (request, KV head) tasks.
+// A request's context is attended in partitions of this many tokens, each its own task,
+// and the partitions' results are merged by their softmax statistics (flash-decoding).
+// The split depends on the context length only, never on the batch, so a row computes
+// the same numbers whatever it is batched with; and one long conversation spreads over
+// every thread instead of one thread per KV head.
+constexpr int64_t kPartitionTokens = 128;
+
+// Scratch space one thread reuses across its tasks.
 struct AttendScratch {
   std::vector<float> query;   // [group, head_dim], pre-scaled
-  std::vector<float> scores;  // [group, context]
-  std::vector<float> out;     // [group, head_dim]
+  std::vector<float> scores;  // [group, tokens]
 };
 
-// One (request, KV head) pair of decode attention: the `group` query heads that share the
-// KV head attend to the first `context` cached tokens, read block by block. k_head/v_head
-// point at this KV head's [num_blocks, block_size, head_dim] slab.
-// For an int8 cache, k_scales/v_scales point at this head's [num_blocks, block_size]
-// float32 scales (one per token): the key scale multiplies the token's scores, the value
-// scale its softmax weights, so the int8 rows are only ever widened, never dequantized.
+// One partition's result for the `group` query heads: out = sum_t exp(s_t - peak) v_t
+// (unnormalised), and the peak and sum of exp(s_t - peak) it was taken against.
+struct PartialView {
+  float* out;   // [group, head_dim]
+  float* peak;  // [group]
+  float* sum;   // [group]
+};
+
+// Tokens [begin, end) of one (request, KV head) pair: the `group` query heads that share
+// the KV head attend to them, read block by block. k_head/v_head point at this KV head's
+// [num_blocks, block_size, head_dim] slab. For an int8 cache, k_scales/v_scales point at
+// this head's [num_blocks, block_size] float32 scales (one per token): the key scale
+// multiplies the token's scores, the value scale its softmax weights, so the int8 rows
+// are only ever widened, never dequantized.
 template <typename scalar_t, typename cache_t>
-void attend_one(
+void attend_range(
     const scalar_t* query, const cache_t* k_head, const cache_t* v_head, const float* k_scales,
-    const float* v_scales, const int64_t* blocks, int64_t context, int64_t group,
+    const float* v_scales, const int64_t* blocks, int64_t begin, int64_t end, int64_t group,
     int64_t head_dim, int64_t block_size, float scale, const GroupKernels<cache_t>& fast,
-    AttendScratch& scratch) {
+    AttendScratch& scratch, const PartialView& result) {
+  const int64_t tokens = end - begin;
   scratch.query.resize(group * head_dim);
-  scratch.scores.resize(group * context);
-  scratch.out.assign(group * head_dim, 0.f);
+  scratch.scores.resize(group * tokens);
   float* q = scratch.query.data();
   float* scores = scratch.scores.data();
-  float* out = scratch.out.data();
+  float* out = result.out;
+  std::fill(out, out + group * head_dim, 0.f);
   for (int64_t i = 0; i < group * head_dim; ++i) q[i] = static_cast<float>(query[i]) * scale;
 
   const auto attend_key = [&](const cache_t* key, int64_t t, int64_t slot) {
-    float* column = scores + t;
+    float* column = scores + (t - begin);
     if (fast.dot) {
-      fast.dot(q, key, head_dim, column, context);
+      fast.dot(q, key, head_dim, column, tokens);
     } else {
-      dot_group_any(group, q, key, head_dim, column, context);
+      dot_group_any(group, q, key, head_dim, column, tokens);
     }
-    if (k_scales != nullptr) scale_column(column, context, group, k_scales[slot]);
+    if (k_scales != nullptr) scale_column(column, tokens, group, k_scales[slot]);
   };
-  for_each_cached_token(k_head, blocks, context, block_size, head_dim, attend_key);
+  for_each_cached_token(k_head, blocks, begin, end, block_size, head_dim, attend_key);
   for (int64_t g = 0; g < group; ++g) {
-    float* row = scores + g * context;
-    const float peak = *std::max_element(row, row + context);
-    const float inv_sum = 1.f / exp_shifted_sum(row, context, peak);
-    for (int64_t t = 0; t < context; ++t) row[t] *= inv_sum;
+    float* row = scores + g * tokens;
+    result.peak[g] = *std::max_element(row, row + tokens);
+    result.sum[g] = exp_shifted_sum(row, tokens, result.peak[g]);
   }
   const auto accumulate_value = [&](const cache_t* value, int64_t t, int64_t slot) {
-    float* column = scores + t;
-    if (v_scales != nullptr) scale_column(column, context, group, v_scales[slot]);
+    float* column = scores + (t - begin);
+    if (v_scales != nullptr) scale_column(column, tokens, group, v_scales[slot]);
     if (fast.axpy) {
-      fast.axpy(out, column, context, value, head_dim);
+      fast.axpy(out, column, tokens, value, head_dim);
     } else {
-      axpy_group_any(group, out, column, context, value, head_dim);
+      axpy_group_any(group, out, column, tokens, value, head_dim);
     }
   };
-  for_each_cached_token(v_head, blocks, context, block_size, head_dim, accumulate_value);
+  for_each_cached_token(v_head, blocks, begin, end, block_size, head_dim, accumulate_value);
+}
+
+// Merges one (request, KV head)'s partitions into its output rows: every partition's sum
+// and output are rescaled to the largest peak, then the output is divided by the total.
+template <typename scalar_t>
+void merge_partitions(const float* outs, const float* peaks, const float* sums, int64_t parts,
+                      int64_t group, int64_t head_dim, scalar_t* dst) {
+  for (int64_t g = 0; g < group; ++g) {
+    float top = peaks[g];
+    for (int64_t p = 1; p < parts; ++p) top = std::max(top, peaks[p * group + g]);
+    float total = 0.f;
+    float merged[512];  // head_dim <= 512 (checked by the caller)
+    std::fill(merged, merged + head_dim, 0.f);
+    for (int64_t p = 0; p < parts; ++p) {
+      const float weight = std::exp(peaks[p * group + g] - top);
+      total += sums[p * group + g] * weight;
+      const float* src = outs + (p * group + g) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) merged[d] += src[d] * weight;
+    }
+    const float inv_total = 1.f / total;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      dst[g * head_dim + d] = static_cast<scalar_t>(merged[d] * inv_total);
+    }
+  }
 }
 
 // Decode attention straight from the paged cache. Rows [0, batch) of qkv are single-token
@@ -252,6 +290,7 @@ void paged_decode_attention(
   const int64_t group = num_heads / num_kv_heads;
   const int64_t width = qkv.size(1);
   const int64_t head_stride = num_blocks * block_size * head_dim;
+  TORCH_CHECK(head_dim <= 512, "decode attention supports head_dim up to 512");
   const bool quantized = key_cache.scalar_type() == at::kChar;
   TORCH_CHECK(quantized == (key_scale.has_value() && value_scale.has_value()),
               "an int8 KV cache needs key_scale and value_scale, other caches none");
@@ -286,20 +325,43 @@ void paged_decode_attention(
       const cache_t* vc = value_cache.data_ptr<cache_t>();
       scalar_t* op = out.data_ptr<scalar_t>();
       const GroupKernels<cache_t> fast = group_kernels<cache_t>(group, head_dim);
-      at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      // Tasks are (request, KV head, partition); pair b * kv_heads + h owns the partitions
+      // [first[pair], first[pair + 1]) of the partial buffers.
+      std::vector<int64_t> first(batch * num_kv_heads + 1, 0);
+      for (int64_t pair = 0; pair < batch * num_kv_heads; ++pair) {
+        const int64_t parts = (lens[pair / num_kv_heads] + kPartitionTokens - 1) / kPartitionTokens;
+        first[pair + 1] = first[pair] + parts;
+      }
+      const int64_t tasks = first.back();
+      std::vector<float> outs(tasks * group * head_dim);
+      std::vector<float> peaks(tasks * group), sums(tasks * group);
+      at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
         AttendScratch scratch;
+        int64_t pair = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
         for (int64_t task = begin; task < end; ++task) {
-          const int64_t b = task / num_kv_heads;
-          const int64_t h = task % num_kv_heads;
-          attend_one(
+          while (first[pair + 1] <= task) ++pair;
+          const int64_t b = pair / num_kv_heads;
+          const int64_t h = pair % num_kv_heads;
+          const int64_t token_begin = (task - first[pair]) * kPartitionTokens;
+          const int64_t token_end = std::min(lens[b], token_begin + kPartitionTokens);
+          const PartialView result{outs.data() + task * group * head_dim,
+                                   peaks.data() + task * group, sums.data() + task * group};
+          attend_range(
               q + b * width + h * group * head_dim, kc + h * head_stride, vc + h * head_stride,
               quantized ? k_scales + h * scale_stride : nullptr,
               quantized ? v_scales + h * scale_stride : nullptr, tables + b * max_blocks,
-              lens[b], group, head_dim, block_size, static_cast<float>(scale), fast, scratch);
-          scalar_t* o = op + b * num_heads * head_dim + h * group * head_dim;
-          for (int64_t i = 0; i < group * head_dim; ++i) {
-            o[i] = static_cast<scalar_t>(scratch.out[i]);
-          }
+              token_begin, token_end, group, head_dim, block_size, static_cast<float>(scale),
+              fast, scratch, result);
+        }
+      });
+      at::parallel_for(0, batch * num_kv_heads, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t pair = begin; pair < end; ++pair) {
+          const int64_t b = pair / num_kv_heads;
+          const int64_t h = pair % num_kv_heads;
+          const int64_t at = first[pair];
+          merge_partitions(outs.data() + at * group * head_dim, peaks.data() + at * group,
+                           sums.data() + at * group, first[pair + 1] - at, group, head_dim,
+                           op + b * num_heads * head_dim + h * group * head_dim);
         }
       });
     });
