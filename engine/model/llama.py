@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.attention import AttentionMetadata, paged_attention
+from engine.model.cpu_decode import DecodeLayers
 from engine.model.kernels import TorchKernels
 from engine.model.kv_cache import PagedKVCache
 from engine.model.quant_linear import DenseLinear, Linear
@@ -96,7 +97,9 @@ class LlamaModel:
     """The decoder: ``forward`` over a flattened mixed batch, ``logits`` for chosen rows.
 
     ``kernels`` does the norms, rotary, activation and attention (engine/model/kernels.py);
-    the projections are the weights' own ``Linear`` objects.
+    the projections are the weights' own ``Linear`` objects. With the native CPU kernels, a
+    step of a few decodes runs every layer in one native call instead (``fast_decode``,
+    engine/model/cpu_decode.py: the same kernels in the same order, bit-identical).
     """
 
     def __init__(
@@ -111,6 +114,8 @@ class LlamaModel:
         self.rope = rope
         self.kernels = kernels if kernels is not None else TorchKernels()
         self.scale = spec.head_dim**-0.5
+        native = self.kernels.name == "native"
+        self.fast_decode = DecodeLayers.build(weights) if native else None
 
     def replace(
         self, weights: LlamaWeights | None = None, kernels: TorchKernels | None = None
@@ -139,6 +144,10 @@ class LlamaModel:
         kernels = self.kernels
         layers = self.weights.layers
         residual = F.embedding(token_ids, self.weights.embed)
+        fast = self.fast_decode
+        if fast is not None and kernels.name == "native" and fast.serves(meta, cache):
+            rope = (self.rope.cos, self.rope.sin)
+            return fast.run(residual, meta, cache, self.spec, rope, self.scale)
         hidden = kernels.rms_norm(residual, layers[0].input_norm, eps)
         for index, layer in enumerate(layers):
             if index:

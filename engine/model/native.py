@@ -7,6 +7,10 @@ under a second. The build targets the CPU features torch itself dispatches to (A
 AVX-512), and the cache name carries that capability, so a cache copied to an older CPU is
 rebuilt rather than crashing.
 
+The AVX-512 kernels (bf16 dot products, VNNI) are chosen at run time where the CPU has
+the instructions; ``KVSERVE_CPU_ISA=avx2`` keeps the AVX2 family instead, so one machine
+can test and time both (tests/model/test_cpu_isa.py).
+
 ``load_native_ops`` returns whether the ops are usable; it never raises for a failed build
 (no compiler, no ninja): callers fall back to the torch kernels and say so.
 """
@@ -23,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
+    "cpu_features.cpp",
     "elementwise.cpp",
     "paged_attention.cpp",
     "prefill_attention.cpp",
@@ -33,6 +38,7 @@ SOURCES = (
     "bf16_linear.cpp",
     "token_mask.cpp",
     "block_copy.cpp",
+    "decode_layers.cpp",
     "register.cpp",
 )
 _CAPABILITY_FLAGS: dict[str, list[str]] = {

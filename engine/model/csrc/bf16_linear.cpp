@@ -24,7 +24,7 @@ namespace kvserve {
 
 bool bf16_linear_supported() {
 #ifdef KVSERVE_HAVE_BF16_KERNEL
-  static const bool supported = __builtin_cpu_supports("avx512bf16");
+  static const bool supported = __builtin_cpu_supports("avx512bf16") && avx512_kernels_allowed();
   return supported;
 #else
   return false;
@@ -100,7 +100,8 @@ KVSERVE_BF16_TARGET void bf16_linear_rows(uint16_t* op, const uint16_t* xp, cons
 
 // out[m, n] = x[m] . weight[n] for bf16 x [rows, in] and bf16 weights [out, in].
 void bf16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(bf16_linear_supported(), "bf16_linear needs a CPU with AVX512_BF16");
+  TORCH_CHECK(bf16_linear_supported(),
+              "bf16_linear needs a CPU with AVX512_BF16 (and KVSERVE_CPU_ISA not avx2)");
   check_cpu_contiguous(out, "out");
   check_cpu_contiguous(x, "x");
   check_cpu_contiguous(weight, "weight");

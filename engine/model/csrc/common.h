@@ -13,6 +13,11 @@
 
 namespace kvserve {
 
+// Whether the AVX-512 kernels (bf16 dot products, VNNI) may run where the CPU has them:
+// false when KVSERVE_CPU_ISA=avx2, which keeps the AVX2 kernels on an AVX-512 machine so
+// tests and benchmarks can exercise and compare both families on one CPU (cpu_features.cpp).
+bool avx512_kernels_allowed();
+
 #ifdef KVSERVE_AVX2
 // exp for 8 floats: Cephes' range reduction (x = n ln2 + r) and degree-5 polynomial,
 // relative error ~1e-7, inputs clamped to +-88.37 so the result never overflows to inf.

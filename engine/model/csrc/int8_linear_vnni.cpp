@@ -32,7 +32,8 @@ namespace kvserve {
 bool int8_vnni_supported() {
 #ifdef KVSERVE_HAVE_VNNI_KERNEL
   static const bool supported =
-      __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+      __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+      avx512_kernels_allowed();
   return supported;
 #else
   return false;
@@ -166,7 +167,8 @@ KVSERVE_VNNI_TARGET void vnni_rows(scalar_t* op, const scalar_t* xp, const int8_
 // alike) quantized per group of 64, and symmetric per-row int8 weights [out, in].
 void int8_linear_vnni(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                       const at::Tensor& scales) {
-  TORCH_CHECK(int8_vnni_supported(), "int8_linear_vnni needs a CPU with AVX512_VNNI");
+  TORCH_CHECK(int8_vnni_supported(),
+              "int8_linear_vnni needs a CPU with AVX512_VNNI (and KVSERVE_CPU_ISA not avx2)");
   check_cpu_contiguous(out, "out");
   check_cpu_contiguous(x, "x");
   check_cpu_contiguous(weight, "weight");

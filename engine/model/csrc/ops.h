@@ -56,6 +56,14 @@ void bf16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight)
 void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                  const at::Tensor& params);
 
+// decode_layers.cpp
+at::Tensor decode_layers(at::Tensor& residual, at::TensorList weights, at::IntArrayRef kinds,
+                         at::Tensor& key_cache, at::Tensor& value_cache,
+                         const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& slots, const at::Tensor& block_tables,
+                         const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, double eps, double scale);
+
 // block_copy.cpp
 void copy_blocks_serial_(at::Tensor& dst, const at::Tensor& src, at::IntArrayRef src_blocks,
                          at::IntArrayRef dst_blocks);

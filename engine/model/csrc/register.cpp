@@ -32,6 +32,11 @@ TORCH_LIBRARY(kvserve, m) {
   m.def(
       "apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, int[] rows, int[] mask_rows, "
       "int vocab_size) -> ()");
+  m.def(
+      "decode_layers(Tensor(a!) residual, Tensor[] weights, int[] kinds, Tensor(b!) key_cache, "
+      "Tensor(c!) value_cache, Tensor positions, Tensor cos, Tensor sin, Tensor slots, "
+      "Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, int head_dim, "
+      "float eps, float scale) -> Tensor");
   m.def("copy_blocks_serial_(Tensor(a!) dst, Tensor src, int[] src_blocks, int[] dst_blocks) -> ()");
 }
 
@@ -49,4 +54,5 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("bf16_linear", &kvserve::bf16_linear);
   m.impl("apply_token_bitmask_", &kvserve::apply_token_bitmask_);
   m.impl("copy_blocks_serial_", &kvserve::copy_blocks_serial_);
+  m.impl("decode_layers", &kvserve::decode_layers);
 }

@@ -1,0 +1,103 @@
+"""The CPU decode fast path (engine/model/cpu_decode.py): one native call for every layer
+of a decode step computes exactly what LlamaModel's Python loop computes, and steps it
+cannot serve go the Python way."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine.model.attention import SequenceChunk, build_metadata
+from engine.model.cpu_decode import MAX_ROWS, DecodeLayers
+from engine.model.kernels import NativeKernels
+from engine.model.llama import LlamaModel
+from engine.model.loader import model_from_reference
+from engine.model.native import load_native_ops
+from engine.model.quant_linear import DenseLinear, quantize_weights
+from tests.model.paged import BlockTables, make_cache, run_step
+
+pytestmark = pytest.mark.skipif(not load_native_ops(), reason="needs the native kernels")
+
+PROMPTS = [[5, 9, 17, 33, 65, 129, 7, 3, 2], [11, 12, 13, 14, 15, 16], [40, 41, 42, 43, 44]]
+KV_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def decode_logits(model: LlamaModel, steps: int = 6) -> torch.Tensor:
+    """Logits of a prefill of three prompts, then decode steps of 3 rows, then of 1."""
+    cache = make_cache(model, num_blocks=64, block_size=4, kv_dtype=KV_DTYPES[model.dtype])
+    tables = BlockTables(64, seed=3)
+    blocks = [tables.allocate(len(p) + 2 * steps, 4) for p in PROMPTS]
+    outputs = [run_step(model, cache, PROMPTS, [0, 0, 0], blocks)]
+    lengths = [len(p) for p in PROMPTS]
+    for step in range(steps):
+        tokens = [[3 + step], [7 + step], [9 + step]]
+        outputs.append(run_step(model, cache, tokens, lengths, blocks))
+        lengths = [n + 1 for n in lengths]
+    for step in range(steps):  # one sequence alone
+        outputs.append(run_step(model, cache, [[20 + step]], lengths[:1], blocks[:1]))
+        lengths[0] += 1
+    return torch.cat(outputs)
+
+
+def native_model(reference: torch.nn.Module, dtype: torch.dtype, quantization: str) -> LlamaModel:
+    base = model_from_reference(reference.to(dtype))
+    weights = quantize_weights(base.weights, quantization, rowwise=True)
+    return base.replace(weights=weights, kernels=NativeKernels())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_the_fast_path_is_bit_identical_to_the_python_loop(
+    tiny_llama_factory, monkeypatch: pytest.MonkeyPatch, dtype, quantization
+):
+    _, reference = tiny_llama_factory(num_heads=4, num_kv_heads=2)
+    fast = native_model(reference, dtype, quantization)
+    assert fast.fast_decode is not None
+    python = fast.replace()
+    python.fast_decode = None
+    calls = []
+    run = DecodeLayers.run
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeLayers, "run", counted)
+    expected = decode_logits(python)
+    assert not calls
+    actual = decode_logits(fast)
+    assert len(calls) == 12  # every decode step, no prefill
+    assert torch.equal(actual, expected)
+
+
+def test_steps_it_cannot_serve_go_the_python_way(tiny_llama_factory):
+    _, reference = tiny_llama_factory(num_heads=4, num_kv_heads=2)
+    model = native_model(reference, torch.float32, "none")
+    cache = make_cache(model, num_blocks=64, block_size=4)
+    decode = SequenceChunk(num_computed=4, num_new=1, block_ids=[0, 1])
+    prefill = SequenceChunk(num_computed=0, num_new=3, block_ids=[2])
+
+    def meta(chunks: list[SequenceChunk]):  # type: ignore[no-untyped-def]
+        return build_metadata(chunks, 4, torch.float32, torch.device("cpu"))
+
+    assert DecodeLayers.serves(meta([decode]), cache)
+    assert DecodeLayers.serves(meta([decode] * MAX_ROWS), cache)
+    assert not DecodeLayers.serves(meta([decode] * (MAX_ROWS + 1)), cache)
+    assert not DecodeLayers.serves(meta([decode, prefill]), cache)
+    assert not DecodeLayers.serves(meta([decode]), make_cache(model, 64, 4, "int8"))
+
+
+def test_only_projections_with_a_few_row_kernel_and_no_bias_take_it(tiny_llama_factory):
+    _, reference = tiny_llama_factory(num_heads=4, num_kv_heads=2)
+    weights = model_from_reference(reference).weights
+    assert DecodeLayers.build(weights) is not None
+    assert DecodeLayers.build(quantize_weights(weights, "int8", rowwise=False)) is None  # fbgemm
+    layer = weights.layers[0]
+    assert isinstance(layer.qkv, DenseLinear)
+    biased_qkv = DenseLinear(layer.qkv.weight, torch.zeros(layer.qkv.weight.shape[0]))
+    biased = dataclasses.replace(
+        weights, layers=[dataclasses.replace(layer, qkv=biased_qkv), *weights.layers[1:]]
+    )
+    assert DecodeLayers.build(biased) is None
