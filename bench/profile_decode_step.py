@@ -10,6 +10,7 @@ rest (the Python of the engine and the model, and the dispatcher) as a share of 
     PYTHONPATH=. .venv/bin/python bench/profile_decode_step.py --bf16-kernel on
     PYTHONPATH=. .venv/bin/python bench/profile_decode_step.py --bf16-kernel off --top 10
     PYTHONPATH=. .venv/bin/python bench/profile_decode_step.py --quantization int4 --top 10
+    PYTHONPATH=. .venv/bin/python bench/profile_decode_step.py --quantization int4 --ab-rounds 3
 """
 
 from __future__ import annotations
@@ -37,6 +38,34 @@ def bf16_kernel_layers(core: object) -> list[DenseLinear]:
     return [x for x in linears if isinstance(x, DenseLinear) and x.rowwise]
 
 
+def set_fast_decode(core: object, on: bool) -> object:
+    """Rebuilds the model's one-call decode path for its current kernels (or turns it off)
+    and returns it; None on a checkout that predates it (before/after runs)."""
+    model = core.runner.model  # type: ignore[attr-defined]
+    if not hasattr(model, "fast_decode"):
+        return None
+    from engine.model.cpu_decode import DecodeLayers
+
+    model.fast_decode = DecodeLayers.build(model.weights) if on else None
+    return DecodeLayers.build(model.weights)
+
+
+def compare_fast_decode(core: object, fast_decode: object, args: argparse.Namespace) -> None:
+    """Alternates the fast decode path on and off on one engine, --steps steps each."""
+    model = core.runner.model  # type: ignore[attr-defined]
+    for _ in range(args.ab_rounds):
+        for on in (True, False):
+            model.fast_decode = fast_decode if on else None
+            for _ in range(10):
+                core.step()  # type: ignore[attr-defined]
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                core.step()  # type: ignore[attr-defined]
+            seconds = (time.perf_counter() - start) / args.steps
+            state = "on " if on else "off"
+            print(f"{args.quantization} fast decode {state}: {seconds * 1e3:.2f} ms a step")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bf16-kernel", choices=["on", "off"], default="on")
@@ -47,6 +76,13 @@ def main() -> None:
         "--no-torch-profiler",
         action="store_true",
         help="time the steps only (for an outside sampler such as py-spy)",
+    )
+    parser.add_argument("--fast-decode", choices=["on", "off"], default="on")
+    parser.add_argument(
+        "--ab-rounds",
+        type=int,
+        default=0,
+        help="instead: N rounds of --steps steps with the fast decode path on, then off",
     )
     args = parser.parse_args()
     built = build_engine(
@@ -63,11 +99,16 @@ def main() -> None:
         print("the bf16 kernel is not in use on this CPU (no AVX512_BF16): torch's path only")
     for layer in layers:
         layer.rowwise = args.bf16_kernel == "on"
-    params = SamplingParams(max_tokens=100 + args.steps + 1, temperature=0.0, ignore_eos=True)
+    fast_decode = set_fast_decode(core, args.fast_decode == "on")
+    steps = args.steps * (1 + 2 * args.ab_rounds) + 20 * args.ab_rounds
+    params = SamplingParams(max_tokens=100 + steps + 1, temperature=0.0, ignore_eos=True)
     prompt = list(range(100, 356))
     core.add_request([Request("r", prompt, params, eos_token_ids=built.eos_token_ids)])
     for _ in range(100):
         core.step()
+    if args.ab_rounds:
+        compare_fast_decode(core, fast_decode, args)
+        return
     if args.no_torch_profiler:
         start = time.perf_counter()
         for _ in range(args.steps):
