@@ -121,20 +121,14 @@ def fbgemm_all(layers: list[Int8Linear], inputs: dict[int, torch.Tensor]) -> Non
         torch.ops.quantized.linear_dynamic(inputs[layer.in_features], layer.packed, True)
 
 
-def rowwise_all(layers: list[Int8Linear], inputs: dict[int, torch.Tensor]) -> None:
+def few_row_all(
+    kernel: Callable[..., None], layers: list[Int8Linear], inputs: dict[int, torch.Tensor]
+) -> None:
+    """Every layer through one of the few-row int8 kernels (``torch.ops.kvserve.*``)."""
     for layer in layers:
         assert layer.rowwise is not None
         x = inputs[layer.in_features]
-        out = torch.empty(x.shape[0], layer.out_features)
-        torch.ops.kvserve.int8_linear(out, x, *layer.rowwise)
-
-
-def vnni_all(layers: list[Int8Linear], inputs: dict[int, torch.Tensor]) -> None:
-    for layer in layers:
-        assert layer.rowwise is not None
-        x = inputs[layer.in_features]
-        out = torch.empty(x.shape[0], layer.out_features)
-        torch.ops.kvserve.int8_linear_vnni(out, x, *layer.rowwise)
+        kernel(torch.empty(x.shape[0], layer.out_features), x, *layer.rowwise)
 
 
 def projection_shapes() -> list[tuple[int, int]]:
@@ -193,10 +187,14 @@ def bench_int8_linear(args: argparse.Namespace) -> None:
     print("|---:|---:|---:|---:|")
     for rows in (1, 2, 4, 8):
         inputs = {i: torch.randn(rows, i) for _, i in shapes}
-        runs = [fbgemm_all, rowwise_all, *([vnni_all] if vnni else [])]
+        runs = [
+            partial(fbgemm_all, layers, inputs),
+            partial(few_row_all, torch.ops.kvserve.int8_linear, layers, inputs),
+            *([partial(few_row_all, torch.ops.kvserve.int8_linear_vnni, layers, inputs)] * vnni),
+        ]
         cells = [
             f"{t * 1e3:.1f} ms ({weight_bytes / t / 1e9:.1f} GB/s)"
-            for t in (median_seconds(partial(run, layers, inputs), args.repeats) for run in runs)
+            for t in (median_seconds(run, args.repeats) for run in runs)
         ]
         print(f"| {rows} | " + " | ".join(cells) + (" |" if vnni else " | - |"))
 

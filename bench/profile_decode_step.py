@@ -46,8 +46,9 @@ def set_fast_decode(core: object, on: bool) -> object:
         return None
     from engine.model.cpu_decode import DecodeLayers
 
-    model.fast_decode = DecodeLayers.build(model.weights) if on else None
-    return DecodeLayers.build(model.weights)
+    built = DecodeLayers.build(model.weights)
+    model.fast_decode = built if on else None
+    return built
 
 
 def compare_fast_decode(core: object, fast_decode: object, args: argparse.Namespace) -> None:

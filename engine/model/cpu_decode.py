@@ -25,8 +25,8 @@ import torch
 from engine.model.quant_linear import (
     BF16_ROWWISE_MAX_ROWS,
     INT4_INTEGER_MAX_ROWS,
+    NATIVE_ACTIVATION_DTYPES,
     ROWWISE_MAX_ROWS,
-    VNNI_DTYPES,
     DenseLinear,
     Int4Linear,
     Int8Linear,
@@ -63,9 +63,9 @@ def projection_operands(
         kind = LinearKind.DENSE_BF16 if linear.rowwise else LinearKind.DENSE
         return kind, linear.weight, _UNUSED
     if isinstance(linear, Int8Linear) and linear.bias is None and linear.rowwise is not None:
-        vnni = linear.vnni and dtype in VNNI_DTYPES
+        vnni = linear.vnni and dtype in NATIVE_ACTIVATION_DTYPES
         return (LinearKind.INT8_VNNI if vnni else LinearKind.INT8_FLOAT), *linear.rowwise
-    if isinstance(linear, Int4Linear) and linear.bias is None and dtype in VNNI_DTYPES:
+    if isinstance(linear, Int4Linear) and linear.bias is None and dtype in NATIVE_ACTIVATION_DTYPES:
         return LinearKind.INT4, linear.packed, linear.params
     return None
 

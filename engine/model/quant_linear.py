@@ -45,8 +45,8 @@ ROWWISE_MAX_ROWS = 4
 # 3-5x torch's bf16 GEMM (oneDNN) at 1-4 rows on SmolLM2's projections, 2x at 8, slower
 # from ~12 on (bench/bench_kernels.py --bf16).
 BF16_ROWWISE_MAX_ROWS = 8
-# Activation dtypes the VNNI int8 kernel and the int4 kernel read (and write) directly.
-VNNI_DTYPES = (torch.float32, torch.bfloat16)
+# Activation dtypes the VNNI int8 kernel and the int4 kernel read and write as they are.
+NATIVE_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # The row-major copy keeps one float32 scale per output channel beside its int8 weights.
 ROWWISE_CHANNEL_BYTES = 4
 INT8_MAX = 127
@@ -174,7 +174,7 @@ class Int8Linear:
 
     def _few_rows(self, x: torch.Tensor) -> torch.Tensor:
         assert self.rowwise is not None
-        if self.vnni and x.dtype in VNNI_DTYPES:
+        if self.vnni and x.dtype in NATIVE_ACTIVATION_DTYPES:
             y = x.new_empty(x.shape[0], self.out_features)
             torch.ops.kvserve.int8_linear_vnni(y, x, *self.rowwise)
             return y
@@ -240,7 +240,7 @@ class Int4Linear:
         return cls(packed, params, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype in VNNI_DTYPES:  # float32 and bf16 go in and come out as they are
+        if x.dtype in NATIVE_ACTIVATION_DTYPES:  # float32 and bf16 go in and come out as they are
             y = x.new_empty(x.shape[0], self.out_features)
             torch.ops.kvserve.int4_linear(y, x.contiguous(), self.packed, self.params)
         else:
