@@ -56,6 +56,8 @@ INT8_CHANNEL_OVERHEAD_BYTES = 4 + 4
 INT4_GROUP = 32
 INT4_LEVELS = 15
 INT4_GROUP_OVERHEAD_BYTES = 2 + 2
+# Output rows interleaved together in the int4 layout (kBlockRows in csrc/int4_linear.cpp).
+INT4_BLOCK_ROWS = 16
 # Calls with at most this many rows quantize activations for integer dot products
 # (kIntegerMaxRows in csrc/int4_linear.cpp).
 INT4_INTEGER_MAX_ROWS = 8
@@ -207,15 +209,16 @@ class Int4Linear:
     """Group-wise asymmetric 4-bit weights (Q4_1): ``w = d * q + m``, q in 0..15.
 
     Each output row's input channels form groups of 32 with their own float16 scale ``d``
-    and minimum ``m`` (``params [out, in / 32, 2]``); the 4-bit codes are packed two per
-    byte (``packed [out, in / 2]``, element j of a group in byte j's low nibble, element
-    j + 16 in its high nibble). ``torch.ops.kvserve.int4_linear`` computes
-    ``sum_g d * (x . q) + m * sum(x)``. Up to ``INT4_INTEGER_MAX_ROWS`` rows (decode) the
-    dot products are integer, as llama.cpp's Q4_1 x Q8_1: each group of 32 activations is
-    quantized to int8 with its own scale (max|x| / 127), the group sums stay exact; more
-    rows (prefill, large batches) dequantize tiles of weight rows and keep float32
-    activations. At batch 1 this streams 0.6x int8's bytes and is faster; from 8 rows on
-    fbgemm's int8 GEMM is faster (docs/BENCHMARKS.md).
+    and minimum ``m``; the 4-bit codes are packed two per byte, and both are stored
+    row-interleaved for the kernels (``quantize_int4``'s layout): exactly Q4_1's bytes, in
+    an order where one 64-byte load holds four codes of each of sixteen output rows.
+    ``torch.ops.kvserve.int4_linear`` computes ``sum_g d * (x . q) + m * sum(x)``. Up to
+    ``INT4_INTEGER_MAX_ROWS`` rows (decode) the dot products are integer, as llama.cpp's
+    Q4_1 x Q8_1: each group of 32 activations is quantized to int8 with its own scale
+    (max|x| / 127), the group sums stay exact; more rows (prefill, large batches)
+    dequantize blocks of weight rows and keep float32 activations. At batch 1 this streams
+    0.6x int8's bytes and is faster; from a few rows on fbgemm's int8 GEMM is faster
+    (docs/BENCHMARKS.md).
 
     A weight already on a Q4_1 grid (the embedded GGUF's projections) round-trips exactly:
     its group minimum and maximum are codes 0 and 15.
@@ -224,12 +227,16 @@ class Int4Linear:
     __slots__ = ("bias", "in_features", "out_features", "packed", "params")
 
     def __init__(
-        self, packed: torch.Tensor, params: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        packed: torch.Tensor,
+        params: torch.Tensor,
+        out_features: int,
+        bias: torch.Tensor | None = None,
     ):
         self.packed = packed
         self.params = params
-        self.out_features = packed.shape[0]
-        self.in_features = packed.shape[1] * 2
+        self.out_features = out_features
+        self.in_features = packed.numel() * 2 // out_features
         self.bias = bias  # in the serving dtype, as for Int8Linear
 
     @classmethod
@@ -237,7 +244,7 @@ class Int4Linear:
         """Quantize a ``[out, in]`` weight group-wise (``in`` a multiple of 32)."""
         check_quantization("int4", weight.device, "native" if load_native_ops() else "torch")
         packed, params = quantize_int4(weight)
-        return cls(packed, params, bias)
+        return cls(packed, params, weight.shape[0], bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype in NATIVE_ACTIVATION_DTYPES:  # float32 and bf16 go in and come out as they are
@@ -257,16 +264,35 @@ class Int4Linear:
     def decode_nbytes(self) -> int:
         return self.nbytes
 
+    def unpack(self) -> Int4Groups:
+        """The codes, scales and minimums in row order."""
+        return unpack_int4(self.packed, self.params, self.out_features, self.in_features)
+
     def dequantize(self) -> torch.Tensor:
         """The float32 ``[out, in]`` weight the kernel multiplies by."""
-        return dequantize_int4(self.packed, self.params)
+        return self.unpack().dequantize()
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Groups:
+    """Q4_1 weights in row order: ``codes [out, in / 32, 32]`` (uint8 0..15), and ``scales``
+    and ``minimums [out, in / 32]`` (float16)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    minimums: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        scales, minimums = self.scales[..., None].float(), self.minimums[..., None].float()
+        weight = self.codes.float() * scales + minimums
+        return weight.reshape(self.codes.shape[0], -1)
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(packed uint8 [out, in / 2], params float16 [out, in / 32, 2])`` for a weight.
+    """``(packed uint8 [out * in / 2], params float16 [out * in / 32 * 2])``, interleaved.
 
     Per group: ``m = min``, ``d = (max - min) / 15``, both rounded to float16 first so the
-    codes are chosen against the scale the kernel will use.
+    codes are chosen against the scale the kernel will use. The layout is ``interleave_int4``'s.
     """
     out_features, in_features = weight.shape
     if in_features % INT4_GROUP:
@@ -277,23 +303,67 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups = (
         weight.detach().to(device="cpu", dtype=torch.float32).reshape(out_features, -1, INT4_GROUP)
     )
-    low = groups.amin(dim=2, keepdim=True).half()
-    scale = ((groups.amax(dim=2, keepdim=True) - low.float()) / INT4_LEVELS).half()
+    low = groups.amin(dim=2).half()
+    scale = ((groups.amax(dim=2) - low.float()) / INT4_LEVELS).half()
     inverse = torch.where(scale > 0, 1.0 / scale.float(), torch.zeros_like(scale.float()))
-    codes = ((groups - low.float()) * inverse).round_().clamp_(0, INT4_LEVELS).to(torch.uint8)
-    half = INT4_GROUP // 2
-    packed = codes[..., :half] | (codes[..., half:] << 4)
-    params = torch.cat([scale, low], dim=2)
-    return packed.reshape(out_features, -1).contiguous(), params.contiguous()
+    codes = ((groups - low[..., None].float()) * inverse[..., None]).round_().clamp_(0, INT4_LEVELS)
+    return interleave_int4(Int4Groups(codes.to(torch.uint8), scale, low))
 
 
-def dequantize_int4(packed: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    """The float32 weight ``d * q + m`` that ``quantize_int4``'s output stands for."""
-    out_features = packed.shape[0]
-    groups = packed.reshape(out_features, -1, INT4_GROUP // 2)
-    codes = torch.cat([groups & 0x0F, groups >> 4], dim=2).float()
-    weight = codes * params[..., :1].float() + params[..., 1:].float()
-    return weight.reshape(out_features, -1)
+def interleave_int4(weights: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' layout (csrc/int4_linear.cpp): output rows in blocks of
+    ``INT4_BLOCK_ROWS`` (the last block holds the R < 16 left over; nothing is padded).
+    In a block of R rows, group g is 16R bytes: four chunks of 4R, where chunk c holds,
+    row after row, 4 bytes whose low nibbles are elements 4c..4c+3 of the group and high
+    nibbles elements 16+4c..16+4c+3. Its params are R scales then R minimums."""
+    out_features = weights.codes.shape[0]
+    full = out_features - out_features % INT4_BLOCK_ROWS
+    packed, params = [], []
+    for start, end, rows in ((0, full, INT4_BLOCK_ROWS), (full, out_features, out_features - full)):
+        if end == start:
+            continue
+        codes = weights.codes[start:end].reshape(-1, rows, *weights.codes.shape[1:])
+        codes = codes.permute(0, 2, 1, 3)  # [blocks, groups, rows, 32]
+        half = INT4_GROUP // 2
+        nibbles = [
+            part.reshape(*part.shape[:3], 4, 4).transpose(2, 3)  # [blocks, groups, 4, rows, 4]
+            for part in (codes[..., :half], codes[..., half:])
+        ]
+        packed.append((nibbles[0] | (nibbles[1] << 4)).flatten())
+        scales, minimums = (
+            t[start:end].reshape(-1, rows, t.shape[1]).transpose(1, 2)  # [blocks, groups, rows]
+            for t in (weights.scales, weights.minimums)
+        )
+        params.append(torch.stack([scales, minimums], dim=2).flatten())
+    return torch.cat(packed).contiguous(), torch.cat(params).contiguous()
+
+
+def unpack_int4(
+    packed: torch.Tensor, params: torch.Tensor, out_features: int, in_features: int
+) -> Int4Groups:
+    """``interleave_int4`` undone: the row-order codes, scales and minimums."""
+    groups = in_features // INT4_GROUP
+    full = out_features - out_features % INT4_BLOCK_ROWS
+    split = full * in_features // 2, full * groups * 2
+    parts = []
+    for rows, codes, pairs in (
+        (INT4_BLOCK_ROWS, packed[: split[0]], params[: split[1]]),
+        (out_features - full, packed[split[0] :], params[split[1] :]),
+    ):
+        if rows == 0 or codes.numel() == 0:
+            continue
+        chunks = codes.reshape(-1, groups, 4, rows, 4).transpose(2, 3)  # [b, g, rows, 4, 4]
+        chunks = chunks.reshape(-1, groups, rows, INT4_GROUP // 2)
+        row_codes = torch.cat([chunks & 0x0F, chunks >> 4], dim=3)  # [b, g, rows, 32]
+        scale_min = pairs.reshape(-1, groups, 2, rows)
+        parts.append(
+            (
+                row_codes.transpose(1, 2).reshape(-1, groups, INT4_GROUP),
+                scale_min[:, :, 0].transpose(1, 2).reshape(-1, groups),
+                scale_min[:, :, 1].transpose(1, 2).reshape(-1, groups),
+            )
+        )
+    return Int4Groups(*(torch.cat(tensors) for tensors in zip(*parts, strict=True)))
 
 
 def quantize_per_channel(weight: torch.Tensor) -> torch.Tensor:

@@ -26,9 +26,9 @@ from engine.model.quant_linear import (
     Int8Linear,
     Linear,
     check_quantization,
-    dequantize_int4,
     quantize_int4,
     quantize_weights,
+    unpack_int4,
 )
 from tests.model.engine_helpers import greedy, run_all, smollm_chat_prompt, smollm_greedy_answer
 from tests.model.test_weight_quant import (
@@ -66,16 +66,42 @@ def q4_1_grid_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
 def test_a_q4_1_weight_round_trips_bit_for_bit():
     weight = q4_1_grid_weight(24, 96)
     packed, params = quantize_int4(weight)
-    assert packed.dtype == torch.uint8 and packed.shape == (24, 48)
-    assert params.dtype == torch.float16 and params.shape == (24, 3, 2)
-    assert torch.equal(dequantize_int4(packed, params), weight)
+    assert packed.dtype == torch.uint8 and packed.shape == (24 * 48,)
+    assert params.dtype == torch.float16 and params.shape == (24 * 3 * 2,)
+    assert torch.equal(unpack_int4(packed, params, 24, 96).dequantize(), weight)
+
+
+@pytest.mark.parametrize("out_features", [16, 37])
+def test_the_interleaved_layout_puts_four_codes_of_each_row_in_a_lane(out_features):
+    """Blocks of 16 output rows (the last of R = out % 16), group by group: chunk c of a
+    block's group holds, row after row, 4 bytes whose low nibbles are the row's elements
+    4c..4c+3 and high nibbles 16+4c..16+4c+3; then the group's R scales and R minimums."""
+    weight = q4_1_grid_weight(out_features, 64, seed=3)
+    packed, params = quantize_int4(weight)
+    groups = unpack_int4(packed, params, out_features, 64)
+    for row in (0, 5, out_features - 1):
+        block, rows = divmod(row, 16)[0], min(16, out_features - row // 16 * 16)
+        lane = row % 16
+        for group in (0, 1):
+            codes = packed[block * 16 * 32 + group * 16 * rows :]
+            for chunk in range(4):
+                for byte in range(4):
+                    value = int(codes[chunk * 4 * rows + 4 * lane + byte])
+                    element = 4 * chunk + byte
+                    assert value & 0x0F == groups.codes[row, group, element]
+                    assert value >> 4 == groups.codes[row, group, 16 + element]
+            pairs = params[block * 16 * 2 * 2 + group * 2 * rows :]
+            assert pairs[lane] == groups.scales[row, group]
+            assert pairs[rows + lane] == groups.minimums[row, group]
+    scale_groups = weight.reshape(out_features, 2, INT4_GROUP)
+    assert torch.equal(groups.minimums, scale_groups.amin(dim=2).half())
 
 
 def test_quantization_error_is_at_most_half_a_step_per_group():
     weight = torch.randn(40, 128, generator=torch.Generator().manual_seed(1))
-    packed, params = quantize_int4(weight)
-    error = (dequantize_int4(packed, params) - weight).abs().reshape(40, -1, INT4_GROUP)
-    step = params[..., :1].float()
+    groups = unpack_int4(*quantize_int4(weight), 40, 128)
+    error = (groups.dequantize() - weight).abs().reshape(40, -1, INT4_GROUP)
+    step = groups.scales[..., None].float()
     # Half a step, plus the float16 rounding of the group's minimum.
     assert (error <= step / 2 + 1e-3 * weight.abs().max()).all()
     assert error.max() > 0  # random weights are not on the grid
@@ -92,7 +118,7 @@ def kernel_reference(x: torch.Tensor, linear: Int4Linear) -> torch.Tensor:
     amax = groups.abs().amax(dim=2, keepdim=True)
     inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     rounded = ((groups * inverse).round() * (amax / 127.0)).reshape_as(x)
-    low = linear.params[..., 1].float()  # [out, groups]
+    low = linear.unpack().minimums.float()  # [out, groups]
     codes_times_scale = weight - low.repeat_interleave(INT4_GROUP, dim=1)
     return rounded @ codes_times_scale.T + groups.sum(dim=2) @ low.T
 
@@ -296,7 +322,9 @@ def test_smollm_q4_1_projections_round_trip_and_the_answer_agrees(smollm_gguf, s
     for layer in model.weights.layers:
         for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
             weight = linear.weight  # type: ignore[attr-defined]
-            assert torch.equal(dequantize_int4(*quantize_int4(weight)), weight)
+            out_features, in_features = weight.shape
+            groups = unpack_int4(*quantize_int4(weight), out_features, in_features)
+            assert torch.equal(groups.dequantize(), weight)
     prompt = smollm_chat_prompt(smollm_tokenizer)
     exact = smollm_greedy_answer(str(smollm_gguf), prompt, 24)
     approx = smollm_greedy_answer(str(smollm_gguf), prompt, 24, "int4")

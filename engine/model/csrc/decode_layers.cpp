@@ -49,7 +49,8 @@ at::Tensor project(int64_t kind, const at::Tensor& x, const at::Tensor& a, const
       return out.to(x.scalar_type());
     }
     case kInt4: {
-      at::Tensor out = at::empty({rows, a.size(0)}, x.options());
+      // Flat interleaved Q4_1 (int4_linear.cpp): params hold out * in / 32 (scale, minimum) pairs.
+      at::Tensor out = at::empty({rows, b.numel() * 16 / x.size(1)}, x.options());
       int4_linear(out, x, a, b);
       return out;
     }

@@ -1,27 +1,33 @@
-// Group-wise 4-bit linear: float32 activations against asymmetric 4-bit weights in
-// llama.cpp's Q4_1 format (groups of 32 input channels, a float16 scale d and minimum m
-// per group, w = d * q + m with q in 0..15).
+// Group-wise 4-bit linear: float32 or bf16 activations against asymmetric 4-bit weights in
+// llama.cpp's Q4_1 quantization (groups of 32 input channels, a float16 scale d and minimum
+// m per group, w = d * q + m with q in 0..15), stored row-interleaved.
 //
-// Layout, per output row: in/2 bytes of nibbles, 16 bytes per group; byte j of a group
-// holds element j in its low nibble and element j + 16 in its high nibble. params is
-// [out, in/32, 2] float16 (d, m).
+// Layout (engine/model/quant_linear.py, interleave_int4): output rows go in blocks of 16
+// (the last block holds the R < 16 left over: exactly Q4_1's bytes, nothing padded). In a
+// block of R rows, group g is 16R bytes of codes: four chunks of 4R bytes, chunk c holding
+// for each row 4 bytes whose low nibbles are the group's elements 4c..4c+3 and high nibbles
+// elements 16+4c..16+4c+3. Its params are R scales d, then R minimums m (float16).
 //
 // y[r, n] = sum_g d[n,g] * (x[r, g] . q[n, g]) + m[n,g] * sum(x[r, g]): the minimum is
 // applied once per group through the group sums of x (exact float sums, once per call).
 //
 // Up to eight rows (decode) the dot products are integer, as llama.cpp's Q4_1 x Q8_1: each
-// activation group of 32 is quantized to int8 with its own scale (max|x| / 127), and
-// u8 x s8 multiply-adds (vpmaddubsw) replace unpacking every weight to float, which made
-// the float version compute-bound at a third of the memory rate. On CPUs with AVX512_VNNI
-// (and an even group count) two groups go through one vpdpbusd: 64 codes against 64
-// activations into 16 int32 lanes, about half the instructions per weight of the AVX2
-// loop, which was still compute-bound at batch 1. More rows dequantize a tile of weight
-// rows to float once and reuse it: exact activations, FMA-bound.
+// activation group of 32 is quantized to int8 with its own scale (max|x| / 127). A 64-byte
+// chunk of a full block, its nibbles masked, is four codes of each of 16 output rows, one
+// row per 32-bit lane: vpdpbusd (VNNI) or vpmaddubsw (AVX2) against four activations
+// broadcast to every lane gives 16 rows' partial dots at once, and each group's scales,
+// minimums and float math are one vector operation for the 16 rows. The row-major Q4_1
+// layout this replaces unpacked, scaled and reduced one row at a time: compute-bound at
+// ~20-34 GB/s on two Zen 4 cores, where this reads at the memory's rate.
+//
+// More rows dequantize a block to floats once, k-major (16 rows' weights per input
+// channel), and multiply it by broadcast activations: exact activations, FMA-bound.
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "common.h"
@@ -37,16 +43,15 @@ namespace kvserve {
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kGroupBytes = kGroup / 2;
+constexpr int64_t kBlockRows = 16;                          // INT4_BLOCK_ROWS in quant_linear.py
+constexpr int64_t kChunks = 4;                              // per group
+constexpr int64_t kBlockGroupBytes = kBlockRows * kGroup / 2;  // a full block's group: 256
+constexpr int64_t kBlockGroupParams = 2 * kBlockRows;          // 16 scales, 16 minimums
 // Activation rows up to this count take the integer path (decode steps); more rows
-// dequantize a tile of weight rows to float once and reuse it, which is faster from 16
-// rows on (bench/bench_kernels.py) and exact in the activations (prefill).
+// dequantize each block to float once and reuse it, exact in the activations (prefill).
 constexpr int64_t kIntegerMaxRows = 8;
-// Activation rows that share one unpacked weight group on the integer path.
+// Activation rows that share one unpacked block group on the integer path.
 constexpr int64_t kRowBlock = 4;
-// Weight rows dequantized per tile on the many-row path (a 16 x 1,536 float tile is
-// 96 KiB: the L2 of one core).
-constexpr int64_t kTileRows = 16;
 
 inline float half_to_float(const at::Half h) {
 #ifdef KVSERVE_AVX2
@@ -56,23 +61,77 @@ inline float half_to_float(const at::Half h) {
 #endif
 }
 
-// The group's 32 weights as integers 0..15, in element order.
-inline void unpack_group_scalar(const uint8_t* bytes, float* q) {
-  for (int64_t j = 0; j < kGroupBytes; ++j) {
-    q[j] = static_cast<float>(bytes[j] & 0x0F);
-    q[j + kGroupBytes] = static_cast<float>(bytes[j] >> 4);
-  }
+// Four activation bytes as one 32-bit lane value, for broadcasting.
+inline int32_t four_bytes(const int8_t* p) {
+  int32_t value;
+  std::memcpy(&value, p, sizeof value);
+  return value;
 }
+
+// One block's codes and params, always in a full block's layout (16 rows).
+struct BlockView {
+  const uint8_t* codes;    // groups x 256 bytes
+  const at::Half* params;  // groups x 32
+};
+
+// The last block of R < 16 rows rewritten in a full block's layout, rows R..15 zero, so
+// every kernel reads 16-row blocks (a few KiB copied per call, for the tail only).
+struct PaddedTail {
+  std::vector<uint8_t> codes;
+  std::vector<at::Half> params;
+};
+
+PaddedTail pad_tail(const uint8_t* codes, const at::Half* params, int64_t rows, int64_t groups) {
+  PaddedTail tail{std::vector<uint8_t>(groups * kBlockGroupBytes, 0),
+                  std::vector<at::Half>(groups * kBlockGroupParams, at::Half(0.f))};
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t c = 0; c < kChunks; ++c) {
+      std::memcpy(tail.codes.data() + g * kBlockGroupBytes + c * 4 * kBlockRows,
+                  codes + g * 16 * rows + c * 4 * rows, 4 * rows);
+    }
+    const at::Half* src = params + g * 2 * rows;
+    at::Half* dst = tail.params.data() + g * kBlockGroupParams;
+    std::copy(src, src + rows, dst);
+    std::copy(src + rows, src + 2 * rows, dst + kBlockRows);
+  }
+  return tail;
+}
+
+// The blocks of a [outs, in] weight: views of the full ones, a padded copy of the tail.
+class Blocks {
+ public:
+  Blocks(const uint8_t* codes, const at::Half* params, int64_t outs, int64_t in)
+      : codes_(codes), params_(params), groups_(in / kGroup), outs_(outs),
+        full_(outs / kBlockRows) {
+    if (full_ * kBlockRows < outs) {
+      tail_ = pad_tail(codes + full_ * kBlockRows * in / 2,
+                       params + full_ * kBlockRows * groups_ * 2, outs - full_ * kBlockRows,
+                       groups_);
+    }
+  }
+  int64_t count() const { return (outs_ + kBlockRows - 1) / kBlockRows; }
+  // Output rows block b holds.
+  int64_t rows(int64_t b) const { return std::min(kBlockRows, outs_ - b * kBlockRows); }
+  BlockView operator[](int64_t b) const {
+    if (b == full_) return {tail_.codes.data(), tail_.params.data()};
+    return {codes_ + b * groups_ * kBlockGroupBytes, params_ + b * groups_ * kBlockGroupParams};
+  }
+
+ private:
+  const uint8_t* codes_;
+  const at::Half* params_;
+  int64_t groups_, outs_, full_;
+  PaddedTail tail_;
+};
 
 // Activation rows quantized per group of 32 for the integer dot products: int8 values
 // (x * 127 / max|x|, rounded to nearest even), the scale back (max|x| / 127), and the
-// group's exact float sum for the minimum term, stored as (0, sum) pairs to line up with
-// the weights' (d, m) pairs.
+// group's exact float sum for the minimum term.
 struct QuantizedRows {
   int64_t groups = 0;
-  std::vector<int8_t> values;      // [rows, in]
-  std::vector<float> scales;       // [rows, groups]
-  std::vector<float> paired_sums;  // [rows, groups, 2]
+  std::vector<int8_t> values;  // [rows, in]
+  std::vector<float> scales;   // [rows, groups]
+  std::vector<float> sums;     // [rows, groups]
 };
 
 template <typename scalar_t>
@@ -81,7 +140,7 @@ QuantizedRows quantize_rows(const scalar_t* x, int64_t rows, int64_t in) {
   out.groups = in / kGroup;
   out.values.resize(rows * in);
   out.scales.resize(rows * out.groups);
-  out.paired_sums.assign(rows * out.groups * 2, 0.f);
+  out.sums.resize(rows * out.groups);
   for (int64_t at = 0; at < rows * out.groups; ++at) {
     const scalar_t* src = x + at * kGroup;
     int8_t* dst = out.values.data() + at * kGroup;
@@ -108,319 +167,252 @@ QuantizedRows quantize_rows(const scalar_t* x, int64_t rows, int64_t in) {
     for (int64_t j = 0; j < kGroup; ++j) dst[j] = static_cast<int8_t>(std::nearbyint(static_cast<float>(src[j]) * inverse));
 #endif
     out.scales[at] = amax / 127.f;
-    out.paired_sums[2 * at + 1] = sum;
+    out.sums[at] = sum;
   }
   return out;
 }
 
 #ifdef KVSERVE_AVX2
-struct Group8 {
-  __m256 w[4];  // elements 0-7, 8-15, 16-23, 24-31 of the group, as floats 0..15
-};
-
-inline Group8 unpack_group(const uint8_t* bytes) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(raw, mask);
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-  Group8 g;
-  g.w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  g.w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-  g.w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  g.w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-  return g;
-}
-
-// A group's 32 codes as bytes: elements 0-15 in the low lane, 16-31 in the high lane.
-inline __m256i unpack_codes(const uint8_t* bytes) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-}
-
-// codes . x for one group as 8 float lanes: vpmaddubsw multiplies u8 codes by s8
-// activations into int16 pairs (at most 2 x 15 x 127, no saturation), vpmaddwd sums
-// those into int32; the sums are exact and exactly representable as floats.
-inline __m256 group_dot_i8(__m256i codes, const int8_t* x) {
-  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xv), _mm256_set1_epi16(1));
-  return _mm256_cvtepi32_ps(sums);
-}
-
-// One weight row against M int8-quantized activation rows, two groups per iteration on
-// independent accumulators (one chain per group made the loop latency-bound), each
-// group's codes unpacked and its (d, m) pair converted once for all rows. The minimum
-// term of both groups is one 4-lane FMA of (d0, m0, d1, m1) with (0, sum0, 0, sum1).
+// M activation rows against one block: out[m * 16 + lane] for the block's 16 rows, each
+// half of 8 rows in turn. Per chunk and row, two vpmaddubsw (u8 codes x s8 activations
+// into int16 pairs, at most 2 x 15 x 127) accumulate in int16: the 8 of a group reach at
+// most 8 x 3,810 = 30,480, so one vpmaddwd per group widens them exactly.
 template <int M>
-inline void integer_dots(const QuantizedRows& x, int64_t first_row, const uint8_t* q,
-                         const at::Half* params, float* out) {
+void block_dots_avx2(const QuantizedRows& x, int64_t first_row, BlockView block, float* out) {
   const int64_t groups = x.groups;
-  const int8_t* values = x.values.data();
-  const float* scales = x.scales.data();
-  const float* paired = x.paired_sums.data();
-  __m256 acc[M][2];
-  __m128 bias[M];
-  for (int m = 0; m < M; ++m) {
-    acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    bias[m] = _mm_setzero_ps();
-  }
-  int64_t g = 0;
-  for (; g + 2 <= groups; g += 2) {
-    const __m128 dm =
-        _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(params + 2 * g)));
-    const __m256 d0 = _mm256_broadcastss_ps(dm);
-    const __m256 d1 = _mm256_broadcastss_ps(_mm_movehl_ps(dm, dm));
-    const __m256i c0 = unpack_codes(q + g * kGroupBytes);
-    const __m256i c1 = unpack_codes(q + (g + 1) * kGroupBytes);
-    for (int m = 0; m < M; ++m) {
-      const int64_t at = (first_row + m) * groups + g;
-      const __m256 s0 = _mm256_mul_ps(group_dot_i8(c0, values + at * kGroup),
-                                      _mm256_broadcast_ss(scales + at));
-      const __m256 s1 = _mm256_mul_ps(group_dot_i8(c1, values + (at + 1) * kGroup),
-                                      _mm256_broadcast_ss(scales + at + 1));
-      acc[m][0] = _mm256_fmadd_ps(d0, s0, acc[m][0]);
-      acc[m][1] = _mm256_fmadd_ps(d1, s1, acc[m][1]);
-      bias[m] = _mm_fmadd_ps(dm, _mm_loadu_ps(paired + 2 * at), bias[m]);
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[M], minimum_acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = minimum_acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* codes = block.codes + g * kBlockGroupBytes + 32 * half;
+      const at::Half* params = block.params + g * kBlockGroupParams + 8 * half;
+      __m256i dots[M];
+      for (int m = 0; m < M; ++m) dots[m] = _mm256_setzero_si256();
+      for (int c = 0; c < kChunks; ++c) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * c));
+        const __m256i low = _mm256_and_si256(raw, nibble);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+        for (int m = 0; m < M; ++m) {
+          const int8_t* xg = x.values.data() + ((first_row + m) * groups + g) * kGroup;
+          const __m256i xl = _mm256_set1_epi32(four_bytes(xg + 4 * c));
+          const __m256i xh = _mm256_set1_epi32(four_bytes(xg + 16 + 4 * c));
+          dots[m] = _mm256_add_epi16(dots[m], _mm256_maddubs_epi16(low, xl));
+          dots[m] = _mm256_add_epi16(dots[m], _mm256_maddubs_epi16(high, xh));
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params)));
+      const __m256 minimum = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(params + kBlockRows)));
+      for (int m = 0; m < M; ++m) {
+        const int64_t at = (first_row + m) * groups + g;
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(dots[m], ones));
+        acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(sums, _mm256_set1_ps(x.scales[at])), d, acc[m]);
+        minimum_acc[m] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(x.sums[at]), minimum_acc[m]);
+      }
     }
-  }
-  float tail[M] = {};
-  if (g < groups) {  // an odd group count
-    const float d = half_to_float(params[2 * g]);
-    const float minimum = half_to_float(params[2 * g + 1]);
-    const __m256i c0 = unpack_codes(q + g * kGroupBytes);
     for (int m = 0; m < M; ++m) {
-      const int64_t at = (first_row + m) * groups + g;
-      acc[m][0] = _mm256_fmadd_ps(_mm256_set1_ps(d * scales[at]),
-                                  group_dot_i8(c0, values + at * kGroup), acc[m][0]);
-      tail[m] = minimum * paired[2 * at + 1];
+      _mm256_storeu_ps(out + m * kBlockRows + 8 * half, _mm256_add_ps(acc[m], minimum_acc[m]));
     }
-  }
-  for (int m = 0; m < M; ++m) {
-    const __m128 b = _mm_add_ps(bias[m], _mm_movehl_ps(bias[m], bias[m]));
-    const float minimum_term = _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b))) + tail[m];
-    out[m] = hsum8(_mm256_add_ps(acc[m][0], acc[m][1])) + minimum_term;
   }
 }
+#endif
 
 #ifdef KVSERVE_HAVE_VNNI_KERNEL
-// The activation rows laid out for the VNNI loop. Two groups' codes (a, b) load as one
-// register [a 0-15 | b 0-15 | a 16-31 | b 16-31] (the low nibbles of their 32 bytes, then
-// the high ones), so their activations are stored in that order too, and the 16 int32
-// lanes vpdpbusd yields (4 per 16 codes) are scaled by [sa x4, sb x4, sa x4, sb x4].
-struct PairedRows {
-  std::vector<int8_t> values;  // [rows, in], reordered per pair of groups
-  std::vector<float> scales;   // [rows, groups / 2, 16] activation scales per lane
-};
-
-PairedRows pair_rows(const QuantizedRows& x, int64_t rows, int64_t in) {
-  PairedRows paired;
-  const int64_t pairs = x.groups / 2;
-  paired.values.resize(rows * in);
-  paired.scales.resize(rows * pairs * 16);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t p = 0; p < pairs; ++p) {
-      const int8_t* a = x.values.data() + r * in + p * 2 * kGroup;
-      const int8_t* b = a + kGroup;
-      int8_t* dst = paired.values.data() + r * in + p * 2 * kGroup;
-      std::copy(a, a + 16, dst);
-      std::copy(b, b + 16, dst + 16);
-      std::copy(a + 16, a + 32, dst + 32);
-      std::copy(b + 16, b + 32, dst + 48);
-      const float scale_a = x.scales[r * x.groups + 2 * p];
-      const float scale_b = x.scales[r * x.groups + 2 * p + 1];
-      float* lanes = paired.scales.data() + (r * pairs + p) * 16;
-      for (int i = 0; i < 16; ++i) lanes[i] = (i / 4) % 2 == 0 ? scale_a : scale_b;
-    }
-  }
-  return paired;
-}
-
-// One pair of groups (g, g + 1) against M rows: the codes are unpacked once (u8,
-// vpdpbusd's unsigned operand) and each row adds one vpdpbusd, one conversion and one FMA
-// by (weight scale x activation scale) per lane, and the minimum term's 4-lane FMA (as in
-// the AVX2 loop) into that row's accumulators.
+// block_dots_avx2 with VNNI: the 16 rows in one register, one vpdpbusd per chunk and
+// nibble half (int32 accumulation), two chains per row so consecutive ones overlap.
 template <int M>
-KVSERVE_VNNI_TARGET inline void pair_dots_vnni(const QuantizedRows& x, const PairedRows& paired,
-                                               int64_t first_row, int64_t p, const uint8_t* q,
-                                               const at::Half* params, __m512* acc, __m128* bias) {
+KVSERVE_VNNI_TARGET void block_dots_vnni(const QuantizedRows& x, int64_t first_row,
+                                         BlockView block, float* out) {
   const int64_t groups = x.groups;
-  const int64_t g = 2 * p;
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const __m512i weight_scale_lanes = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2);
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * kGroupBytes));
-  const __m256i low = _mm256_and_si256(raw, nibble);
-  const __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-  const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
-  const __m128 dm = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(params + 2 * g)));
-  const __m512 d = _mm512_permutexvar_ps(weight_scale_lanes, _mm512_castps128_ps512(dm));
-  for (int m = 0; m < M; ++m) {
-    const int64_t row = first_row + m;
-    const __m512i dots = _mm512_dpbusd_epi32(
-        _mm512_setzero_si512(), codes,
-        _mm512_loadu_si512(paired.values.data() + row * groups * kGroup + g * kGroup));
-    const __m512 scale = _mm512_mul_ps(d, _mm512_loadu_ps(paired.scales.data() + (row * groups / 2 + p) * 16));
-    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), scale, acc[m]);
-    bias[m] = _mm_fmadd_ps(dm, _mm_loadu_ps(x.paired_sums.data() + 2 * (row * groups + g)), bias[m]);
-  }
-}
-
-// integer_dots for an even group count, a pair of groups per vpdpbusd; even and odd pairs
-// feed separate accumulators (unrolled, so they stay in registers) to hide FMA latency.
-template <int M>
-KVSERVE_VNNI_TARGET inline void integer_dots_vnni(const QuantizedRows& x, const PairedRows& paired,
-                                                  int64_t first_row, const uint8_t* q,
-                                                  const at::Half* params, float* out) {
-  const int64_t pairs = x.groups / 2;
-  __m512 even[M], odd[M];
-  __m128 bias_even[M], bias_odd[M];
-  for (int m = 0; m < M; ++m) {
-    even[m] = odd[m] = _mm512_setzero_ps();
-    bias_even[m] = bias_odd[m] = _mm_setzero_ps();
-  }
-  int64_t p = 0;
-  for (; p + 2 <= pairs; p += 2) {
-    pair_dots_vnni<M>(x, paired, first_row, p, q, params, even, bias_even);
-    pair_dots_vnni<M>(x, paired, first_row, p + 1, q, params, odd, bias_odd);
-  }
-  if (p < pairs) pair_dots_vnni<M>(x, paired, first_row, p, q, params, even, bias_even);
-  for (int m = 0; m < M; ++m) {
-    const __m128 both = _mm_add_ps(bias_even[m], bias_odd[m]);
-    const __m128 b = _mm_add_ps(both, _mm_movehl_ps(both, both));
-    const float minimum_term = _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
-    out[m] = _mm512_reduce_add_ps(_mm512_add_ps(even[m], odd[m])) + minimum_term;
-  }
-}
-#endif
-
-// MR activation rows against NR dequantized weight rows (row stride in): MR x NR
-// accumulators, each x and w vector loaded once per 8 columns.
-template <int MR, int NR>
-inline void tile_dots(const float* x, int64_t ldx, const float* w, int64_t in, float* out,
-                      int64_t ldo) {
-  __m256 acc[MR][NR];
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < in; k += 8) {
-    __m256 wv[NR];
-    for (int n = 0; n < NR; ++n) wv[n] = _mm256_loadu_ps(w + n * in + k);
-    for (int m = 0; m < MR; ++m) {
-      const __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
-      for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) out[m * ldo + n] = hsum8(acc[m][n]);
-}
-
-template <int MR>
-inline void tile_dots_rows(const float* x, int64_t ldx, const float* w, int64_t in,
-                           int64_t rows, float* out, int64_t ldo) {
-  int64_t n = 0;
-  for (; n + 3 <= rows; n += 3) tile_dots<MR, 3>(x, ldx, w + n * in, in, out + n, ldo);
-  for (; n < rows; ++n) tile_dots<MR, 1>(x, ldx, w + n * in, in, out + n, ldo);
-}
-#endif
-
-// One weight row as floats d * q + m (the many-row path's tile).
-void dequantize_row(const uint8_t* q, const at::Half* params, int64_t groups, float* out) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[M], minimum_acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = minimum_acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const float d = half_to_float(params[2 * g]);
-    const float minimum = half_to_float(params[2 * g + 1]);
-    float* dst = out + g * kGroup;
-#ifdef KVSERVE_AVX2
-    const Group8 w = unpack_group(q + g * kGroupBytes);
-    for (int j = 0; j < 4; ++j) {
-      _mm256_storeu_ps(dst + 8 * j,
-                       _mm256_fmadd_ps(w.w[j], _mm256_set1_ps(d), _mm256_set1_ps(minimum)));
+    const uint8_t* codes = block.codes + g * kBlockGroupBytes;
+    const at::Half* params = block.params + g * kBlockGroupParams;
+    __m512i low[kChunks], high[kChunks];
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512i raw = _mm512_loadu_si512(codes + 64 * c);
+      low[c] = _mm512_and_si512(raw, nibble);
+      high[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
     }
-#else
-    unpack_group_scalar(q + g * kGroupBytes, dst);
-    for (int64_t j = 0; j < kGroup; ++j) dst[j] = dst[j] * d + minimum;
-#endif
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params)));
+    const __m512 minimum = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + kBlockRows)));
+    for (int m = 0; m < M; ++m) {
+      const int64_t at = (first_row + m) * groups + g;
+      const int8_t* xg = x.values.data() + at * kGroup;
+      __m512i dots_low = _mm512_setzero_si512(), dots_high = _mm512_setzero_si512();
+      for (int c = 0; c < kChunks; ++c) {
+        dots_low = _mm512_dpbusd_epi32(dots_low, low[c], _mm512_set1_epi32(four_bytes(xg + 4 * c)));
+        dots_high = _mm512_dpbusd_epi32(dots_high, high[c],
+                                        _mm512_set1_epi32(four_bytes(xg + 16 + 4 * c)));
+      }
+      const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(dots_low, dots_high));
+      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(sums, _mm512_set1_ps(x.scales[at])), d, acc[m]);
+      minimum_acc[m] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(x.sums[at]), minimum_acc[m]);
+    }
   }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * kBlockRows, _mm512_add_ps(acc[m], minimum_acc[m]));
 }
+#endif
 
-// Every activation row against each weight row while it is in L1: the weights stream from
-// memory once per call whatever the row count. dots(r, take, q_n, params_n, out) computes
-// rows [r, r + take) against one weight row.
+// Every activation row against each block while it is in L1: the weights stream from
+// memory once per call whatever the row count. dots(r, take, block, out) computes rows
+// [r, r + take) against one block into out[i * 16 + lane].
 template <typename scalar_t, typename Dots>
-void for_each_weight_row(int64_t rows, int64_t in, int64_t outs, const uint8_t* q,
-                         const at::Half* params, scalar_t* out, const Dots& dots) {
-  const int64_t groups = in / kGroup;
-  at::parallel_for(0, outs, 64, [&](int64_t begin, int64_t end) {
-    float results[kRowBlock];
-    for (int64_t n = begin; n < end; ++n) {
+void for_each_block(const Blocks& blocks, int64_t rows, int64_t outs, scalar_t* out,
+                    const Dots& dots) {
+  at::parallel_for(0, blocks.count(), 1, [&](int64_t begin, int64_t end) {
+    float results[kRowBlock * kBlockRows];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kBlockRows, count = blocks.rows(b);
       for (int64_t r = 0; r < rows; r += kRowBlock) {
         const int64_t take = std::min(kRowBlock, rows - r);
-        dots(r, take, q + n * (in / 2), params + n * groups * 2, results);
-        for (int64_t i = 0; i < take; ++i) out[(r + i) * outs + n] = results[i];
+        dots(r, take, blocks[b], results);
+        for (int64_t i = 0; i < take; ++i) {
+          for (int64_t n = 0; n < count; ++n) out[(r + i) * outs + n0 + n] = results[i * kBlockRows + n];
+        }
       }
     }
   });
 }
 
 template <typename scalar_t>
-void integer_rows(const scalar_t* x, int64_t rows, int64_t in, int64_t outs, const uint8_t* q,
-                  const at::Half* params, scalar_t* out) {
+void integer_rows(const scalar_t* x, int64_t rows, int64_t in, int64_t outs, const Blocks& blocks,
+                  scalar_t* out) {
 #ifdef KVSERVE_AVX2
   const QuantizedRows xq = quantize_rows(x, rows, in);
 #ifdef KVSERVE_HAVE_VNNI_KERNEL
-  if (int8_vnni_supported() && xq.groups % 2 == 0) {
-    const PairedRows paired = pair_rows(xq, rows, in);
-    for_each_weight_row(rows, in, outs, q, params, out,
-                        [&](int64_t r, int64_t take, const uint8_t* qn, const at::Half* pn, float* dots) {
-                          switch (take) {
-                            case 4: integer_dots_vnni<4>(xq, paired, r, qn, pn, dots); break;
-                            case 3: integer_dots_vnni<3>(xq, paired, r, qn, pn, dots); break;
-                            case 2: integer_dots_vnni<2>(xq, paired, r, qn, pn, dots); break;
-                            default: integer_dots_vnni<1>(xq, paired, r, qn, pn, dots); break;
-                          }
-                        });
+  if (int8_vnni_supported()) {
+    for_each_block(blocks, rows, outs, out, [&](int64_t r, int64_t take, BlockView block, float* dots) {
+      switch (take) {
+        case 4: block_dots_vnni<4>(xq, r, block, dots); break;
+        case 3: block_dots_vnni<3>(xq, r, block, dots); break;
+        case 2: block_dots_vnni<2>(xq, r, block, dots); break;
+        default: block_dots_vnni<1>(xq, r, block, dots); break;
+      }
+    });
     return;
   }
 #endif
-  for_each_weight_row(rows, in, outs, q, params, out,
-                      [&](int64_t r, int64_t take, const uint8_t* qn, const at::Half* pn, float* dots) {
-                        switch (take) {
-                          case 4: integer_dots<4>(xq, r, qn, pn, dots); break;
-                          case 3: integer_dots<3>(xq, r, qn, pn, dots); break;
-                          case 2: integer_dots<2>(xq, r, qn, pn, dots); break;
-                          default: integer_dots<1>(xq, r, qn, pn, dots); break;
-                        }
-                      });
+  for_each_block(blocks, rows, outs, out, [&](int64_t r, int64_t take, BlockView block, float* dots) {
+    switch (take) {
+      case 4: block_dots_avx2<4>(xq, r, block, dots); break;
+      case 3: block_dots_avx2<3>(xq, r, block, dots); break;
+      case 2: block_dots_avx2<2>(xq, r, block, dots); break;
+      default: block_dots_avx2<1>(xq, r, block, dots); break;
+    }
+  });
 #else
   TORCH_CHECK(false, "the integer int4 path needs AVX2");
 #endif
 }
 
-void tiled_rows(const float* x, int64_t rows, int64_t in, int64_t outs, const uint8_t* q,
-                const at::Half* params, float* out) {
-  const int64_t groups = in / kGroup;
-  const int64_t tiles = (outs + kTileRows - 1) / kTileRows;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> tile(kTileRows * in);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * kTileRows;
-      const int64_t count = std::min(kTileRows, outs - n0);
-      for (int64_t n = 0; n < count; ++n) {
-        dequantize_row(q + (n0 + n) * (in / 2), params + (n0 + n) * groups * 2, groups,
-                       tile.data() + n * in);
-      }
-      float* dst = out + n0;
+// A block's weights as floats, k-major: tile[k * 16 + lane] = d * q + m of the block's row
+// `lane` at input channel k (rows past the block's end are zero weights).
+void dequantize_block(BlockView block, int64_t groups, float* tile) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* codes = block.codes + g * kBlockGroupBytes;
+    const at::Half* params = block.params + g * kBlockGroupParams;
+    float* dst = tile + g * kGroup * kBlockRows;
 #ifdef KVSERVE_AVX2
-      int64_t r = 0;
-      for (; r + 4 <= rows; r += 4)
-        tile_dots_rows<4>(x + r * in, in, tile.data(), in, count, dst + r * outs, outs);
-      for (; r < rows; ++r)
-        tile_dots_rows<1>(x + r * in, in, tile.data(), in, count, dst + r * outs, outs);
-#else
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t n = 0; n < count; ++n) {
-          float acc = 0.f;
-          for (int64_t k = 0; k < in; ++k) acc += x[r * in + k] * tile[n * in + k];
-          dst[r * outs + n] = acc;
+    // A 32-bit lane of a chunk is one row's four bytes: shifting by 8b (+4) and masking
+    // leaves that row's code of element 4c + b (+16) in the lane, already row-ordered.
+    const __m256i nibble = _mm256_set1_epi32(0x0F);
+    for (int half = 0; half < 2; ++half) {
+      const __m256 d = load8(params + 8 * half);
+      const __m256 minimum = load8(params + kBlockRows + 8 * half);
+      for (int c = 0; c < kChunks; ++c) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * c + 32 * half));
+        for (int b = 0; b < 4; ++b) {
+          const __m256i low = _mm256_and_si256(_mm256_srli_epi32(raw, 8 * b), nibble);
+          const __m256i high = _mm256_and_si256(_mm256_srli_epi32(raw, 8 * b + 4), nibble);
+          _mm256_storeu_ps(dst + (4 * c + b) * kBlockRows + 8 * half,
+                           _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), d, minimum));
+          _mm256_storeu_ps(dst + (16 + 4 * c + b) * kBlockRows + 8 * half,
+                           _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), d, minimum));
         }
+      }
+    }
+#else
+    for (int64_t c = 0; c < kChunks; ++c) {
+      for (int64_t lane = 0; lane < kBlockRows; ++lane) {
+        const float d = half_to_float(params[lane]);
+        const float minimum = half_to_float(params[kBlockRows + lane]);
+        for (int64_t b = 0; b < 4; ++b) {
+          const uint8_t byte = codes[64 * c + 4 * lane + b];
+          dst[(4 * c + b) * kBlockRows + lane] = static_cast<float>(byte & 0x0F) * d + minimum;
+          dst[(16 + 4 * c + b) * kBlockRows + lane] = static_cast<float>(byte >> 4) * d + minimum;
+        }
+      }
+    }
 #endif
+  }
+}
+
+// MR activation rows (row stride ldx) against a k-major block tile: MR x 16 accumulators,
+// one broadcast activation and two weight vectors per input channel; no horizontal sums.
+#ifdef KVSERVE_AVX2
+template <int MR>
+void tile_rows(const float* x, int64_t ldx, const float* tile, int64_t in, float* out) {
+  __m256 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < in; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(tile + k * kBlockRows);
+    const __m256 w1 = _mm256_loadu_ps(tile + k * kBlockRows + 8);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xv = _mm256_broadcast_ss(x + m * ldx + k);
+      acc[m][0] = _mm256_fmadd_ps(xv, w0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(xv, w1, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    _mm256_storeu_ps(out + m * kBlockRows, acc[m][0]);
+    _mm256_storeu_ps(out + m * kBlockRows + 8, acc[m][1]);
+  }
+}
+#endif
+
+// MR rows of x against the tile into out[m * 16 + lane].
+void tile_block(const float* x, int64_t rows, int64_t in, const float* tile, float* out) {
+#ifdef KVSERVE_AVX2
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) tile_rows<4>(x + r * in, in, tile, in, out + r * kBlockRows);
+  for (; r < rows; ++r) tile_rows<1>(x + r * in, in, tile, in, out + r * kBlockRows);
+#else
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t lane = 0; lane < kBlockRows; ++lane) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < in; ++k) acc += x[r * in + k] * tile[k * kBlockRows + lane];
+      out[r * kBlockRows + lane] = acc;
+    }
+  }
+#endif
+}
+
+// Rows taken per pass over a dequantized block (their results are staged 16 wide).
+constexpr int64_t kTileRowsPerPass = 64;
+
+void tiled_rows(const float* x, int64_t rows, int64_t in, int64_t outs, const Blocks& blocks,
+                float* out) {
+  const int64_t groups = in / kGroup;
+  at::parallel_for(0, blocks.count(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> tile(in * kBlockRows);
+    std::vector<float> staged(kTileRowsPerPass * kBlockRows);
+    for (int64_t b = begin; b < end; ++b) {
+      dequantize_block(blocks[b], groups, tile.data());
+      const int64_t n0 = b * kBlockRows, count = blocks.rows(b);
+      for (int64_t r0 = 0; r0 < rows; r0 += kTileRowsPerPass) {
+        const int64_t take = std::min(kTileRowsPerPass, rows - r0);
+        tile_block(x + r0 * in, take, in, tile.data(), staged.data());
+        for (int64_t i = 0; i < take; ++i) {
+          std::copy(staged.data() + i * kBlockRows, staged.data() + i * kBlockRows + count,
+                    out + (r0 + i) * outs + n0);
+        }
+      }
     }
   });
 }
@@ -429,7 +421,7 @@ void tiled_rows(const float* x, int64_t rows, int64_t in, int64_t outs, const ui
 
 // out = x @ W.T for x [rows, in] and out [rows, out] both float32 or both bfloat16 (a bf16
 // model's decode rows are quantized straight from bf16; the many-row path computes in
-// float32 and converts at its ends).
+// float32 and converts at its ends). qweight and params: the interleaved layout, flat.
 void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                  const at::Tensor& params) {
   check_cpu_contiguous(out, "out");
@@ -441,34 +433,32 @@ void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight
               "x and out must both be float32 or both bfloat16");
   TORCH_CHECK(qweight.scalar_type() == at::kByte, "qweight must be uint8");
   TORCH_CHECK(params.scalar_type() == at::kHalf, "params must be float16");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2, "x and out must be 2-D");
   const int64_t rows = x.size(0);
   const int64_t in = x.size(1);
-  const int64_t outs = qweight.size(0);
+  const int64_t outs = out.size(1);
   TORCH_CHECK(in % kGroup == 0, "in_features must be a multiple of ", kGroup);
-  TORCH_CHECK(qweight.size(1) == in / 2, "qweight must be [out, in / 2]");
-  TORCH_CHECK(params.dim() == 3 && params.size(0) == outs && params.size(1) == in / kGroup &&
-                  params.size(2) == 2,
-              "params must be [out, in / 32, 2]");
-  TORCH_CHECK(out.size(0) == rows && out.size(1) == outs, "out must be [rows, out]");
-  if (rows == 0) return;
-  const uint8_t* qp = qweight.data_ptr<uint8_t>();
-  const at::Half* pp = params.data_ptr<at::Half>();
+  TORCH_CHECK(qweight.numel() == outs * in / 2, "qweight must hold out * in / 2 bytes");
+  TORCH_CHECK(params.numel() == outs * (in / kGroup) * 2, "params must hold out * in / 32 * 2 values");
+  TORCH_CHECK(out.size(0) == rows, "out must be [rows, out]");
+  if (rows == 0 || outs == 0) return;
+  const Blocks blocks(qweight.data_ptr<uint8_t>(), params.data_ptr<at::Half>(), outs, in);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   bool integer = rows <= kIntegerMaxRows;
 #ifndef KVSERVE_AVX2
   integer = false;
 #endif
   if (integer && bf16) {
-    integer_rows(x.data_ptr<at::BFloat16>(), rows, in, outs, qp, pp, out.data_ptr<at::BFloat16>());
+    integer_rows(x.data_ptr<at::BFloat16>(), rows, in, outs, blocks, out.data_ptr<at::BFloat16>());
   } else if (integer) {
-    integer_rows(x.data_ptr<float>(), rows, in, outs, qp, pp, out.data_ptr<float>());
+    integer_rows(x.data_ptr<float>(), rows, in, outs, blocks, out.data_ptr<float>());
   } else if (bf16) {
     const at::Tensor x32 = x.to(at::kFloat);
     at::Tensor out32 = at::empty({rows, outs}, x32.options());
-    tiled_rows(x32.data_ptr<float>(), rows, in, outs, qp, pp, out32.data_ptr<float>());
+    tiled_rows(x32.data_ptr<float>(), rows, in, outs, blocks, out32.data_ptr<float>());
     out.copy_(out32);
   } else {
-    tiled_rows(x.data_ptr<float>(), rows, in, outs, qp, pp, out.data_ptr<float>());
+    tiled_rows(x.data_ptr<float>(), rows, in, outs, blocks, out.data_ptr<float>());
   }
 }
 
