@@ -103,6 +103,143 @@ GroupKernels<cache_t> group_kernels(int64_t group, int64_t head_dim) {
   return k;
 }
 
+#ifdef __AVX512F__
+// Whole-partition loops for AVX-512 builds: a partition's token rows are gathered into a
+// pointer list first, so the value accumulators of its query heads stay in registers across
+// all of its tokens (the per-token loops above load and store them for every token), and
+// key scores are reduced four tokens at a time instead of one horizontal sum per token.
+// NC is head_dim / 16; G the query heads one call covers.
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// The lane sums of a, b, c and d, in that order.
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  // Per 128-bit lane: [a, b, c, d] partial sums.
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 halves = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, _MM_SHUFFLE(1, 0, 3, 2)));
+  const __m512 total = _mm512_add_ps(halves, _mm512_shuffle_f32x4(halves, halves, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_castps512_ps128(total);
+}
+
+// scores[g * stride + t] = q[g] . rows[t] for t < n: four tokens' G x NC products, then one
+// sum4 per query head.
+template <int G, int NC, typename cache_t>
+void partition_scores(const float* q, const cache_t* const* rows, int64_t n, float* scores,
+                      int64_t stride) {
+  constexpr int64_t kDim = 16 * NC;
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    __m512 acc[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      for (int c = 0; c < NC; ++c) {
+        const __m512 k = load16(rows[t + j] + 16 * c);
+        for (int g = 0; g < G; ++g) acc[g][j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * kDim + 16 * c), k, acc[g][j]);
+      }
+    }
+    for (int g = 0; g < G; ++g) _mm_storeu_ps(scores + g * stride + t, sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+  }
+  for (; t < n; ++t) {
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int c = 0; c < NC; ++c) {
+      const __m512 k = load16(rows[t] + 16 * c);
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * kDim + 16 * c), k, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) scores[g * stride + t] = _mm512_reduce_add_ps(acc[g]);
+  }
+}
+
+// out[g] = sum_t p[g * stride + t] * rows[t] for t < n, the G x NC accumulators in registers.
+template <int G, int NC, typename cache_t>
+void partition_values(float* out, const float* p, int64_t stride, const cache_t* const* rows,
+                      int64_t n) {
+  constexpr int64_t kDim = 16 * NC;
+  __m512 acc[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 weight[G];
+    for (int g = 0; g < G; ++g) weight[g] = _mm512_set1_ps(p[g * stride + t]);
+    for (int c = 0; c < NC; ++c) {
+      const __m512 v = load16(rows[t] + 16 * c);
+      for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(weight[g], v, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + g * kDim + 16 * c, acc[g][c]);
+}
+#endif
+
+// The whole-partition kernels for one (group, head_dim), covering the group in subsets of
+// `heads` query heads; empty (scores == nullptr) where there are none: not an AVX-512
+// build, KVSERVE_CPU_ISA=avx2, or a head_dim other than 32, 64 or 128.
+template <typename cache_t>
+struct PartitionKernels {
+  void (*scores)(const float*, const cache_t* const*, int64_t, float*, int64_t) = nullptr;
+  void (*values)(float*, const float*, int64_t, const cache_t* const*, int64_t) = nullptr;
+  int64_t heads = 0;
+};
+
+#ifdef __AVX512F__
+template <typename cache_t, int G, int NC>
+void pick_partition(PartitionKernels<cache_t>& k) {
+  k.scores = &partition_scores<G, NC, cache_t>;
+  k.values = &partition_values<G, NC, cache_t>;
+  k.heads = G;
+}
+
+// G x NC value accumulators must fit the 32 vector registers with room to spare: up to 6
+// heads at head_dim 32 or 64, 3 at 128; a larger group goes in equal subsets.
+template <typename cache_t, int NC>
+void pick_partition_heads(PartitionKernels<cache_t>& k, int64_t group) {
+  constexpr int kMaxHeads = 24 / NC;
+  int64_t heads = std::min<int64_t>(group, kMaxHeads);
+  while (group % heads != 0) --heads;
+  switch (heads) {
+    case 1: pick_partition<cache_t, 1, NC>(k); break;
+    case 2: pick_partition<cache_t, 2, NC>(k); break;
+    case 3: pick_partition<cache_t, 3, NC>(k); break;
+    case 4: if constexpr (kMaxHeads >= 4) pick_partition<cache_t, 4, NC>(k); break;
+    case 5: if constexpr (kMaxHeads >= 5) pick_partition<cache_t, 5, NC>(k); break;
+    case 6: if constexpr (kMaxHeads >= 6) pick_partition<cache_t, 6, NC>(k); break;
+    default: break;
+  }
+}
+#endif
+
+template <typename cache_t>
+PartitionKernels<cache_t> partition_kernels(int64_t group, int64_t head_dim) {
+  PartitionKernels<cache_t> k;
+#ifdef __AVX512F__
+  if (!avx512_kernels_allowed()) return k;
+  switch (head_dim) {
+    case 32: pick_partition_heads<cache_t, 2>(k, group); break;
+    case 64: pick_partition_heads<cache_t, 4>(k, group); break;
+    case 128: pick_partition_heads<cache_t, 8>(k, group); break;
+    default: break;  // the per-token loops
+  }
+#else
+  (void)group;
+  (void)head_dim;
+#endif
+  return k;
+}
+
 // Copy every token's key and value heads from its QKV row into its flat cache slot.
 // key_cache / value_cache: one layer, [kv_heads, num_blocks, block_size, head_dim].
 void write_kv(
@@ -195,6 +332,45 @@ struct PartialView {
   float* sum;   // [group]
 };
 
+// attend_range on the whole-partition kernels: the partition's key and value rows listed
+// once (their blocks prefetched as they are listed), scores for every query head, softmax
+// statistics, then the weighted values.
+template <typename cache_t>
+void attend_partition(const float* q, const cache_t* k_head, const cache_t* v_head,
+                      const float* k_scales, const float* v_scales, const int64_t* blocks,
+                      int64_t begin, int64_t end, int64_t group, int64_t head_dim,
+                      int64_t block_size, const PartitionKernels<cache_t>& whole, float* scores,
+                      const PartialView& result) {
+  const int64_t tokens = end - begin;
+  const cache_t* keys[kPartitionTokens];
+  const cache_t* values[kPartitionTokens];
+  int64_t slots[kPartitionTokens];
+  for_each_cached_token(k_head, blocks, begin, end, block_size, head_dim,
+                        [&](const cache_t* row, int64_t t, int64_t slot) {
+                          keys[t - begin] = row;
+                          slots[t - begin] = slot;
+                        });
+  for_each_cached_token(v_head, blocks, begin, end, block_size, head_dim,
+                        [&](const cache_t* row, int64_t t, int64_t) { values[t - begin] = row; });
+  for (int64_t g = 0; g < group; g += whole.heads) {
+    whole.scores(q + g * head_dim, keys, tokens, scores + g * tokens, tokens);
+  }
+  for (int64_t t = 0; k_scales != nullptr && t < tokens; ++t) {
+    scale_column(scores + t, tokens, group, k_scales[slots[t]]);
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * tokens;
+    result.peak[g] = *std::max_element(row, row + tokens);
+    result.sum[g] = exp_shifted_sum(row, tokens, result.peak[g]);
+  }
+  for (int64_t t = 0; v_scales != nullptr && t < tokens; ++t) {
+    scale_column(scores + t, tokens, group, v_scales[slots[t]]);
+  }
+  for (int64_t g = 0; g < group; g += whole.heads) {
+    whole.values(result.out + g * head_dim, scores + g * tokens, tokens, values, tokens);
+  }
+}
+
 // Tokens [begin, end) of one (request, KV head) pair: the `group` query heads that share
 // the KV head attend to them, read block by block. k_head/v_head point at this KV head's
 // [num_blocks, block_size, head_dim] slab. For an int8 cache, k_scales/v_scales point at
@@ -206,15 +382,20 @@ void attend_range(
     const scalar_t* query, const cache_t* k_head, const cache_t* v_head, const float* k_scales,
     const float* v_scales, const int64_t* blocks, int64_t begin, int64_t end, int64_t group,
     int64_t head_dim, int64_t block_size, float scale, const GroupKernels<cache_t>& fast,
-    AttendScratch& scratch, const PartialView& result) {
+    const PartitionKernels<cache_t>& whole, AttendScratch& scratch, const PartialView& result) {
   const int64_t tokens = end - begin;
   scratch.query.resize(group * head_dim);
   scratch.scores.resize(group * tokens);
   float* q = scratch.query.data();
   float* scores = scratch.scores.data();
   float* out = result.out;
-  std::fill(out, out + group * head_dim, 0.f);
   for (int64_t i = 0; i < group * head_dim; ++i) q[i] = static_cast<float>(query[i]) * scale;
+  if (whole.scores != nullptr) {
+    attend_partition(q, k_head, v_head, k_scales, v_scales, blocks, begin, end, group, head_dim,
+                     block_size, whole, scores, result);
+    return;
+  }
+  std::fill(out, out + group * head_dim, 0.f);
 
   const auto attend_key = [&](const cache_t* key, int64_t t, int64_t slot) {
     float* column = scores + (t - begin);
@@ -325,6 +506,7 @@ void paged_decode_attention(
       const cache_t* vc = value_cache.data_ptr<cache_t>();
       scalar_t* op = out.data_ptr<scalar_t>();
       const GroupKernels<cache_t> fast = group_kernels<cache_t>(group, head_dim);
+      const PartitionKernels<cache_t> whole = partition_kernels<cache_t>(group, head_dim);
       // Tasks are (request, KV head, partition); pair b * kv_heads + h owns the partitions
       // [first[pair], first[pair + 1]) of the partial buffers.
       std::vector<int64_t> first(batch * num_kv_heads + 1, 0);
@@ -351,7 +533,7 @@ void paged_decode_attention(
               quantized ? k_scales + h * scale_stride : nullptr,
               quantized ? v_scales + h * scale_stride : nullptr, tables + b * max_blocks,
               token_begin, token_end, group, head_dim, block_size, static_cast<float>(scale),
-              fast, scratch, result);
+              fast, whole, scratch, result);
         }
       });
       at::parallel_for(0, batch * num_kv_heads, kRowGrain, [&](int64_t begin, int64_t end) {
