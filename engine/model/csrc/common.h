@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -98,6 +99,21 @@ void with_cache_type(at::ScalarType dtype, F&& f) {
     case at::kChar: f(int8_t{}); break;
     default: TORCH_CHECK(false, "unsupported KV cache dtype ", dtype);
   }
+}
+
+// How far ahead of the row it is reading a few-row GEMV asks for weight lines. Each thread
+// streams a contiguous range of rows, and where the hardware prefetcher keeps too few
+// lines in flight (measured on a 2-vCPU Intel Xeon VM: int8 rows of 576 bytes read at 19
+// GB/s without it, 31 GB/s with it, above torch.sum's 25) one core cannot reach the
+// memory's rate on its own. 8 KiB was the best of 1-12 KiB there, at 1 and 4 rows.
+constexpr int64_t kPrefetchBytes = 8192;
+
+// Asks for the cache lines of [start + kPrefetchBytes, + bytes) that lie before `stop` (the
+// end of what this thread reads), into every cache level.
+inline void prefetch_ahead(const void* start, int64_t bytes, const void* stop) {
+  const char* p = static_cast<const char*>(start) + kPrefetchBytes;
+  const char* end = std::min(p + bytes, static_cast<const char*>(stop));
+  for (; p < end; p += 64) __builtin_prefetch(p, 0, 3);
 }
 
 // Rows per parallel task for row-wise kernels: small enough to split a decode batch,

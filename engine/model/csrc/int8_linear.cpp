@@ -91,8 +91,10 @@ void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
 #endif
   at::parallel_for(0, outs, 64, [&](int64_t begin, int64_t end) {
     float dots[4];
+    const int8_t* stop = wp + end * in;
     for (int64_t n = begin; n < end; ++n) {
       const int8_t* w = wp + n * in;
+      prefetch_ahead(w, in * static_cast<int64_t>(sizeof(int8_t)), stop);
       for (int64_t m = 0; m < rows;) {
         const int64_t take = std::min<int64_t>(4, rows - m);
         const float* xm = xp + m * in;

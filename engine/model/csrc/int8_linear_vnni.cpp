@@ -145,8 +145,10 @@ KVSERVE_VNNI_TARGET void vnni_rows(scalar_t* op, const scalar_t* xp, const int8_
   // weight row while it is in L1.
   at::parallel_for(0, outs, 64, [&](int64_t begin, int64_t end) {
     float dots[4];
+    const int8_t* stop = wp + end * in;
     for (int64_t n = begin; n < end; ++n) {
       const int8_t* w = wp + n * in;
+      prefetch_ahead(w, in * static_cast<int64_t>(sizeof(int8_t)), stop);
       for (int64_t m = 0; m < rows;) {
         const int64_t take = std::min<int64_t>(4, rows - m);
         if (take == 4) dot_rows_vnni<4>(q, m, in, w, dots);
