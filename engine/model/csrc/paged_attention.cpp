@@ -360,7 +360,7 @@ void attend_partition(const float* q, const cache_t* k_head, const cache_t* v_he
   }
   for (int64_t g = 0; g < group; ++g) {
     float* row = scores + g * tokens;
-    result.peak[g] = *std::max_element(row, row + tokens);
+    result.peak[g] = max_of(row, tokens);
     result.sum[g] = exp_shifted_sum(row, tokens, result.peak[g]);
   }
   for (int64_t t = 0; v_scales != nullptr && t < tokens; ++t) {
