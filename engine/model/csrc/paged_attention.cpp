@@ -409,7 +409,7 @@ void attend_range(
   for_each_cached_token(k_head, blocks, begin, end, block_size, head_dim, attend_key);
   for (int64_t g = 0; g < group; ++g) {
     float* row = scores + g * tokens;
-    result.peak[g] = *std::max_element(row, row + tokens);
+    result.peak[g] = max_of(row, tokens);
     result.sum[g] = exp_shifted_sum(row, tokens, result.peak[g]);
   }
   const auto accumulate_value = [&](const cache_t* value, int64_t t, int64_t slot) {
