@@ -121,9 +121,10 @@ void with_cache_type(at::ScalarType dtype, F&& f) {
 
 // How far ahead of the row it is reading a few-row GEMV asks for weight lines. Each thread
 // streams a contiguous range of rows, and where the hardware prefetcher keeps too few
-// lines in flight (measured on a 2-vCPU Intel Xeon VM: int8 rows of 576 bytes read at 19
-// GB/s without it, 31 GB/s with it, above torch.sum's 25) one core cannot reach the
-// memory's rate on its own. 8 KiB was the best of 1-12 KiB there, at 1 and 4 rows.
+// lines in flight one core cannot reach the memory's rate on its own (measured on a
+// 2-vCPU Intel Xeon VM, a decode step's int8 projections: rows of 576 bytes 19 -> 31 GB/s,
+// above torch.sum's 25). 8 KiB was the best of 1-12 KiB there, at 1 and 4 rows. The bf16
+// and int4 kernels measured no gain from it on the same machine and do without.
 constexpr int64_t kPrefetchBytes = 8192;
 
 // Asks for the cache lines of [start + kPrefetchBytes, + bytes) that lie before `stop` (the
