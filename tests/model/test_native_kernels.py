@@ -141,6 +141,28 @@ def test_write_and_decode_attention_match_torch(native, dtype, shape, block_size
         close(actual, expected)
 
 
+@pytest.mark.parametrize("shape", ["mha", "gqa", "wide"])
+def test_decode_attention_with_scores_past_exps_range_matches_torch(native, shape):
+    """Scores in the thousands overflow exp unless each partition subtracts its true peak
+    first (a peak taken over part of a row gives inf / inf = NaN). Contexts put the largest
+    score anywhere in a partition: its first lanes, past them, in a short tail partition."""
+    spec = make_spec(*SHAPES[shape])
+    contexts = [9, 130, 300]
+    cache, blocks = fill_cache(native, spec, torch.float32, 16, contexts)
+    for pool in cache.pool.tensors():
+        pool.mul_(40.0)
+    chunks = [SequenceChunk(ctx - 1, 1, ids) for ctx, ids in zip(contexts, blocks, strict=True)]
+    meta = build_metadata(chunks, 16, torch.float32, torch.device("cpu"))
+    width = spec.q_size + 2 * spec.kv_size
+    qkv = torch.randn(len(contexts), width, generator=torch.Generator().manual_seed(7)) * 40.0
+    expected = TorchKernels().decode_attention(cache, 0, qkv, meta, spec, 0.125)
+    actual = native.decode_attention(cache, 0, qkv, meta, spec, 0.125)
+    assert torch.isfinite(actual).all()
+    # Scores this large carry float32 rounding of ~1e-4 into near-tied softmax weights of
+    # values ~40 in size: compare at that scale (a wrong peak gives NaN, caught above).
+    torch.testing.assert_close(actual, expected, rtol=1e-3, atol=0.05)
+
+
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "float16"])
 def test_quantized_cache_decode_attention_matches_torch(native, kv_dtype):
     """int8 caches are read natively (scores scaled by the key scale, softmax weights by the

@@ -94,7 +94,7 @@ void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
     const int8_t* stop = wp + end * in;
     for (int64_t n = begin; n < end; ++n) {
       const int8_t* w = wp + n * in;
-      prefetch_ahead(w, in * static_cast<int64_t>(sizeof(int8_t)), stop);
+      prefetch_ahead(w, in, stop);  // a row is `in` bytes
       for (int64_t m = 0; m < rows;) {
         const int64_t take = std::min<int64_t>(4, rows - m);
         const float* xm = xp + m * in;

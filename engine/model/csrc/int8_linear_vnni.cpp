@@ -148,7 +148,7 @@ KVSERVE_VNNI_TARGET void vnni_rows(scalar_t* op, const scalar_t* xp, const int8_
     const int8_t* stop = wp + end * in;
     for (int64_t n = begin; n < end; ++n) {
       const int8_t* w = wp + n * in;
-      prefetch_ahead(w, in * static_cast<int64_t>(sizeof(int8_t)), stop);
+      prefetch_ahead(w, in, stop);  // a row is `in` bytes
       for (int64_t m = 0; m < rows;) {
         const int64_t take = std::min<int64_t>(4, rows - m);
         if (take == 4) dot_rows_vnni<4>(q, m, in, w, dots);
