@@ -8,9 +8,12 @@ threads, median of 9, before and after), and prints bytes and floor; the inter-t
 latencies to hold against it come from a server run (bench/compare_servers.py).
 
     PYTHONPATH=. .venv/bin/python bench/decode_floor.py
+    PYTHONPATH=. .venv/bin/python bench/decode_floor.py --dtype float32   # an AVX2-only CPU's
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -21,24 +24,27 @@ from engine.config import EngineArgs
 FORMATS = ("none", "int8", "int4")
 
 
-def decode_bytes(quantization: str) -> int:
-    args = EngineArgs(
-        dtype="bfloat16", quantization=quantization, num_kv_blocks=64, max_model_len=1024
-    )
+def decode_bytes(quantization: str, dtype: str) -> int:
+    args = EngineArgs(dtype=dtype, quantization=quantization, num_kv_blocks=64, max_model_len=1024)
     return build_engine(args).core.runner.model.weights.decode_nbytes
 
 
 def main() -> None:
-    print(f"torch threads {torch.get_num_threads()}")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the model's"
+    )
+    dtype = parser.parse_args().dtype
+    print(f"torch threads {torch.get_num_threads()}, dtype {dtype}")
     before = read_bandwidth(9)
-    sizes = {name: decode_bytes(name) for name in FORMATS}
+    sizes = {name: decode_bytes(name, dtype) for name in FORMATS}
     after = read_bandwidth(9)
     print(f"read bandwidth {before / 1e9:.1f} GB/s before, {after / 1e9:.1f} GB/s after")
     print("| weights | bytes a decode token streams | floor at the lower | at the higher |")
     print("|---|---:|---:|---:|")
     low, high = sorted((before, after))
     for name, size in sizes.items():
-        label = "bf16" if name == "none" else name
+        label = ("bf16" if dtype == "bfloat16" else "fp32") if name == "none" else name
         print(
             f"| {label} | {size / 1e6:.0f} MB | {size / low * 1e3:.2f} ms | "
             f"{size / high * 1e3:.2f} ms |"

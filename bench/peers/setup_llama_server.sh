@@ -7,7 +7,11 @@
 #   python bench/compare_servers.py --servers llama-server --llama-server PREFIX/bin/llama-server
 #
 # Needs cmake, a C++ compiler and pip (PyPI). About 6 minutes on two cores; GGML_NATIVE=ON
-# tunes it for this CPU (the binary is not portable to older CPUs).
+# tunes it for this CPU (the binary is not portable to older CPUs). LLAMA_CMAKE_ARGS adds
+# cmake options: an AVX2-only build on an AVX-512 machine, for timing the AVX2 class there:
+#
+#   LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
+#       bench/peers/setup_llama_server.sh /tmp/llama-server-avx2
 set -euo pipefail
 
 LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
@@ -28,7 +32,8 @@ cmake -S "$SRC" -B "$WORK/build" \
     -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=ON \
-    -DBUILD_SHARED_LIBS=OFF
+    -DBUILD_SHARED_LIBS=OFF \
+    ${LLAMA_CMAKE_ARGS:-}
 cmake --build "$WORK/build" --target llama-server -j "$JOBS"
 
 mkdir -p "$PREFIX/bin"
