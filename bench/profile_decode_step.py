@@ -96,7 +96,7 @@ def main() -> None:
     )
     core = built.core
     layers = bf16_kernel_layers(core)
-    if not layers:
+    if not layers and args.quantization == "none":
         print("the bf16 kernel is not in use on this CPU (no AVX512_BF16): torch's path only")
     for layer in layers:
         layer.rowwise = args.bf16_kernel == "on"
