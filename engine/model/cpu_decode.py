@@ -50,7 +50,7 @@ class LinearKind(enum.IntEnum):
 
     DENSE = 0  # at::linear: float32 / float16 weights
     DENSE_BF16 = 1  # bf16_linear: bf16 weights on a CPU with AVX512_BF16
-    INT8_VNNI = 2  # int8_linear_vnni: weights, per-row scales
+    INT8_INTEGER = 2  # int8_linear_vnni (VNNI or AVX2): weights, per-row scales
     INT8_FLOAT = 3  # int8_linear on float32 activations: weights, per-row scales
     INT4 = 4  # int4_linear: packed codes, Q4_1 parameters
 
@@ -63,8 +63,8 @@ def projection_operands(
         kind = LinearKind.DENSE_BF16 if linear.rowwise else LinearKind.DENSE
         return kind, linear.weight, _UNUSED
     if isinstance(linear, Int8Linear) and linear.bias is None and linear.rowwise is not None:
-        vnni = linear.vnni and dtype in NATIVE_ACTIVATION_DTYPES
-        return (LinearKind.INT8_VNNI if vnni else LinearKind.INT8_FLOAT), *linear.rowwise
+        integer = linear.integer and dtype in NATIVE_ACTIVATION_DTYPES
+        return (LinearKind.INT8_INTEGER if integer else LinearKind.INT8_FLOAT), *linear.rowwise
     if isinstance(linear, Int4Linear) and linear.bias is None and dtype in NATIVE_ACTIVATION_DTYPES:
         return LinearKind.INT4, linear.packed, linear.params
     return None

@@ -34,6 +34,7 @@ SOURCES = (
     "prefill_attention_bf16.cpp",
     "int8_linear.cpp",
     "int8_linear_vnni.cpp",
+    "int8_linear_avx2.cpp",
     "int4_linear.cpp",
     "bf16_linear.cpp",
     "token_mask.cpp",

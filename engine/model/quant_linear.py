@@ -9,7 +9,8 @@ for ``Int8Linear`` after loading:
 - activations: quantized per call, per tensor (dynamic quantization), with the 7-bit
   ``reduce_range`` that x86's u8 x s8 multiply-add needs to avoid int16 saturation;
 - decode steps of a few rows take a native kernel instead (``Int8Linear``'s docstring):
-  integer dot products with VNNI where the CPU has it, float ones elsewhere.
+  integer dot products (VNNI, or the same math on AVX2) where the CPU has either, float
+  ones elsewhere.
 
 CPU only: fbgemm has no CUDA kernels, so int8 on CUDA is refused with a message naming
 the flag. The quantization cost is paid once; each call then reads a quarter of the
@@ -45,7 +46,7 @@ ROWWISE_MAX_ROWS = 4
 # 3-5x torch's bf16 GEMM (oneDNN) at 1-4 rows on SmolLM2's projections, 2x at 8, slower
 # from ~12 on (bench/bench_kernels.py --bf16).
 BF16_ROWWISE_MAX_ROWS = 8
-# Activation dtypes the VNNI int8 kernel and the int4 kernel read and write as they are.
+# Activation dtypes the integer int8 kernel and the int4 kernel read and write as they are.
 NATIVE_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # The row-major copy keeps one float32 scale per output channel beside its int8 weights.
 ROWWISE_CHANNEL_BYTES = 4
@@ -131,7 +132,7 @@ class Int8Linear:
     faster once the step is compute-bound (bench/bench_kernels.py).
     """
 
-    __slots__ = ("bias", "in_features", "out_features", "packed", "rowwise", "vnni")
+    __slots__ = ("bias", "in_features", "integer", "out_features", "packed", "rowwise")
 
     def __init__(
         self,
@@ -148,7 +149,8 @@ class Int8Linear:
         # at the same width as in the dense model.
         self.bias = bias
         self.rowwise = rowwise  # (int8 [out, in], float32 scales [out])
-        self.vnni = rowwise is not None and in_features % 64 == 0 and int8_vnni_supported()
+        # The integer kernel (VNNI, or its AVX2 form) where it runs; else the float one.
+        self.integer = rowwise is not None and in_features % 64 == 0 and int8_integer_supported()
 
     @classmethod
     def from_dense(
@@ -176,7 +178,7 @@ class Int8Linear:
 
     def _few_rows(self, x: torch.Tensor) -> torch.Tensor:
         assert self.rowwise is not None
-        if self.vnni and x.dtype in NATIVE_ACTIVATION_DTYPES:
+        if self.integer and x.dtype in NATIVE_ACTIVATION_DTYPES:
             y = x.new_empty(x.shape[0], self.out_features)
             torch.ops.kvserve.int8_linear_vnni(y, x, *self.rowwise)
             return y
@@ -419,9 +421,10 @@ def quantize_weights(
     return dataclasses.replace(weights, layers=layers, lm_head=lm_head)
 
 
-def int8_vnni_supported() -> bool:
-    """Whether the few-row int8 layers take the VNNI kernel on this CPU."""
-    return load_native_ops() and bool(torch.ops.kvserve.int8_vnni_supported())
+def int8_integer_supported() -> bool:
+    """Whether the few-row int8 layers take the integer kernel on this CPU (VNNI, or the
+    same math on AVX2): activations rounded to int8 per group of 64."""
+    return load_native_ops() and bool(torch.ops.kvserve.int8_integer_supported())
 
 
 def bf16_rowwise_supported(weight: torch.Tensor) -> bool:

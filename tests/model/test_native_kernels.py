@@ -340,7 +340,7 @@ def test_int8_linear_matches_dequantized_weights(native, rows, in_features):
     dense = x @ weight.T
     assert (linear(x) - dense).abs().max() < 0.05 * dense.abs().max()
     if rows <= ROWWISE_MAX_ROWS:  # the layer's few-row kernel: VNNI where the CPU has it
-        few_rows = vnni_reference(x, int8, scales) if linear.vnni else expected
+        few_rows = vnni_reference(x, int8, scales) if linear.integer else expected
         torch.testing.assert_close(linear(x), few_rows, atol=1e-4, rtol=1e-5)
     rowwise_bytes = int8.numel() + ROWWISE_CHANNEL_BYTES * 37
     assert linear.nbytes == Int8Linear.from_dense(weight).nbytes + rowwise_bytes
@@ -362,22 +362,23 @@ def vnni_reference(x: torch.Tensor, int8: torch.Tensor, scales: torch.Tensor) ->
     return y.to(x.dtype)
 
 
-def _needs_vnni() -> None:
-    if not torch.ops.kvserve.int8_vnni_supported():
-        pytest.skip("this CPU has no AVX512_VNNI (the VNNI int8 kernel is never used on it)")
+def _needs_integer_int8() -> None:
+    if not torch.ops.kvserve.int8_integer_supported():
+        pytest.skip("no AVX2 and no AVX512_VNNI: the integer int8 kernel never runs here")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("in_features", [64, 192, 576])  # 1, 3 and 9 groups: odd tails
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_vnni_linear_matches_group_quantized_math(native, rows, in_features, dtype):
-    """The VNNI kernel equals int8 activations (per group of 64) times int8 weights summed
-    exactly, up to float32 rounding of the per-group sums; and it stays within int8's
-    rounding of the float kernel's exact-activation result."""
-    _needs_vnni()
+def test_int8_integer_linear_matches_group_quantized_math(native, rows, in_features, dtype):
+    """The integer kernel (VNNI, or its AVX2 form under KVSERVE_CPU_ISA=avx2 and on AVX2
+    CPUs: tests/model/test_cpu_isa.py reruns this file) equals int8 activations (per group
+    of 64) times int8 weights summed exactly, up to float32 rounding of the per-group sums;
+    and it stays within int8's rounding of the float kernel's exact-activation result."""
+    _needs_integer_int8()
     torch.manual_seed(rows * in_features)
     linear = Int8Linear.from_dense(torch.randn(70, in_features), rowwise=True)
-    assert linear.rowwise is not None and linear.vnni
+    assert linear.rowwise is not None and linear.integer
     int8, scales = linear.rowwise
     x = (torch.randn(rows, in_features) * torch.linspace(0.1, 3, in_features)).to(dtype)
     x[0, :64] = 0.0  # an all-zero group: scale 0, no division by zero
@@ -392,13 +393,14 @@ def test_int8_vnni_linear_matches_group_quantized_math(native, rows, in_features
         torch.testing.assert_close(linear(x), out)
 
 
-def test_int8_vnni_only_where_it_can_run(native):
-    """The layer takes the VNNI kernel exactly when the CPU has it and in_features is a
-    multiple of 64; the op refuses other shapes and mixed dtypes with a message."""
-    supported = bool(torch.ops.kvserve.int8_vnni_supported())
-    assert Int8Linear.from_dense(torch.randn(8, 128), rowwise=True).vnni == supported
-    assert not Int8Linear.from_dense(torch.randn(8, 100), rowwise=True).vnni
-    assert not Int8Linear.from_dense(torch.randn(8, 128)).vnni  # no row-major copy
+def test_int8_integer_kernel_only_where_it_can_run(native):
+    """The layer takes the integer kernel exactly when the CPU runs it (VNNI or AVX2) and
+    in_features is a multiple of 64; the op refuses other shapes and mixed dtypes with a
+    message."""
+    supported = bool(torch.ops.kvserve.int8_integer_supported())
+    assert Int8Linear.from_dense(torch.randn(8, 128), rowwise=True).integer == supported
+    assert not Int8Linear.from_dense(torch.randn(8, 100), rowwise=True).integer
+    assert not Int8Linear.from_dense(torch.randn(8, 128)).integer  # no row-major copy
     if not supported:
         return
     int8, scales = torch.zeros(8, 96, dtype=torch.int8), torch.ones(8)

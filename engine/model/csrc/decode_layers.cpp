@@ -20,7 +20,7 @@ namespace {
 enum LinearKind : int64_t {
   kDense = 0,        // at::linear (a float32 or float16 model's projections)
   kDenseBf16 = 1,    // bf16_linear: a bf16 model on a CPU with AVX512_BF16
-  kInt8Vnni = 2,     // int8_linear_vnni: weight, per-row scales
+  kInt8Integer = 2,  // int8_linear_vnni (VNNI or AVX2): weight, per-row scales
   kInt8Float = 3,    // int8_linear on float32 activations: weight, per-row scales
   kInt4 = 4,         // int4_linear: packed codes, (scale, minimum) params
 };
@@ -37,7 +37,7 @@ at::Tensor project(int64_t kind, const at::Tensor& x, const at::Tensor& a, const
       bf16_linear(out, x, a);
       return out;
     }
-    case kInt8Vnni: {
+    case kInt8Integer: {
       at::Tensor out = at::empty({rows, a.size(0)}, x.options());
       int8_linear_vnni(out, x, a, b);
       return out;

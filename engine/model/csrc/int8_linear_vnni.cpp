@@ -40,6 +40,8 @@ bool int8_vnni_supported() {
 #endif
 }
 
+bool int8_integer_supported() { return int8_vnni_supported() || int8_integer_avx2_supported(); }
+
 #ifdef KVSERVE_HAVE_VNNI_KERNEL
 namespace {
 
@@ -166,11 +168,11 @@ KVSERVE_VNNI_TARGET void vnni_rows(scalar_t* op, const scalar_t* xp, const int8_
 #endif
 
 // out[m, n] = scales[n] * (q(x[m]) . weight[n]) for x [rows, in] (float32 or bfloat16, out
-// alike) quantized per group of 64, and symmetric per-row int8 weights [out, in].
+// alike) quantized per group of 64, and symmetric per-row int8 weights [out, in] in
+// [-127, 127]. With VNNI where the CPU has it, else its AVX2 form (int8_linear_avx2.cpp).
 void int8_linear_vnni(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                       const at::Tensor& scales) {
-  TORCH_CHECK(int8_vnni_supported(),
-              "int8_linear_vnni needs a CPU with AVX512_VNNI (and KVSERVE_CPU_ISA not avx2)");
+  TORCH_CHECK(int8_integer_supported(), "the integer int8 kernel needs AVX2 or AVX512_VNNI");
   check_cpu_contiguous(out, "out");
   check_cpu_contiguous(x, "x");
   check_cpu_contiguous(weight, "weight");
@@ -188,6 +190,10 @@ void int8_linear_vnni(at::Tensor& out, const at::Tensor& x, const at::Tensor& we
   TORCH_CHECK(weight.size(1) == in && scales.numel() == outs && out.size(0) == rows &&
                   out.size(1) == outs,
               "shape mismatch");
+  if (!int8_vnni_supported()) {
+    int8_linear_integer_avx2(out, x, weight, scales);
+    return;
+  }
 #ifdef KVSERVE_HAVE_VNNI_KERNEL
   const int8_t* wp = weight.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();

@@ -43,8 +43,12 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& qkv, const at::T
 void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                  const at::Tensor& scales);
 
-// int8_linear_vnni.cpp
+// int8_linear_vnni.cpp (VNNI) and int8_linear_avx2.cpp (the same math on AVX2)
 bool int8_vnni_supported();
+bool int8_integer_supported();
+bool int8_integer_avx2_supported();
+void int8_linear_integer_avx2(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                              const at::Tensor& scales);
 void int8_linear_vnni(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                       const at::Tensor& scales);
 

@@ -29,6 +29,7 @@ TORCH_LIBRARY(kvserve, m) {
   // No tensor argument, so no dispatch key: one implementation for every backend.
   m.def("bf16_linear_supported() -> bool", &kvserve::bf16_linear_supported);
   m.def("int8_vnni_supported() -> bool", &kvserve::int8_vnni_supported);
+  m.def("int8_integer_supported() -> bool", &kvserve::int8_integer_supported);
   m.def(
       "apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, int[] rows, int[] mask_rows, "
       "int vocab_size) -> ()");
