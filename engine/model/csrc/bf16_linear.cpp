@@ -6,7 +6,6 @@
 // called where the CPU has it: bf16_linear_supported() reads the CPU's features at run
 // time, so one build serves AVX2-only and AVX-512 machines alike.
 
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
@@ -75,24 +74,13 @@ inline uint16_t to_bf16(float value) {
 
 KVSERVE_BF16_TARGET void bf16_linear_rows(uint16_t* op, const uint16_t* xp, const uint16_t* wp,
                                           int64_t rows, int64_t in, int64_t outs) {
-  // Each thread walks a contiguous range of weight rows; every activation row meets a
-  // weight row while it is in L1.
-  at::parallel_for(0, outs, 64, [&](int64_t begin, int64_t end) {
-    float dots[4];
-    for (int64_t n = begin; n < end; ++n) {
-      const uint16_t* w = wp + n * in;
-      for (int64_t m = 0; m < rows;) {
-        const int64_t take = std::min<int64_t>(4, rows - m);
-        const uint16_t* xm = xp + m * in;
-        if (take == 4) dot_rows_bf16<4>(xm, in, w, in, dots);
-        else if (take == 3) dot_rows_bf16<3>(xm, in, w, in, dots);
-        else if (take == 2) dot_rows_bf16<2>(xm, in, w, in, dots);
-        else dot_rows_bf16<1>(xm, in, w, in, dots);
-        for (int64_t r = 0; r < take; ++r) op[(m + r) * outs + n] = to_bf16(dots[r]);
-        m += take;
-      }
-    }
-  });
+  // No prefetch: it measured no gain for bf16 rows (common.h, kPrefetchBytes).
+  for_each_weight_row(
+      rows, outs, in, wp, false,
+      [&](auto M, int64_t m, const uint16_t* w, float* dots) {
+        dot_rows_bf16<decltype(M)::value>(xp + m * in, in, w, in, dots);
+      },
+      [&](int64_t m, int64_t n, float dot) { op[m * outs + n] = to_bf16(dot); });
 }
 
 }  // namespace

@@ -2,10 +2,12 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -133,6 +135,35 @@ inline void prefetch_ahead(const void* start, int64_t bytes, const void* stop) {
   const char* p = static_cast<const char*>(start) + kPrefetchBytes;
   const char* end = std::min(p + bytes, static_cast<const char*>(stop));
   for (; p < end; p += 64) __builtin_prefetch(p, 0, 3);
+}
+
+// The few-row GEMVs' outer loop (int8, int8 integer, bf16): each thread walks a
+// contiguous range of weight rows of `in` elements, and every activation row meets a
+// weight row while it is in L1, up to four at a time. dots(M, first, w, out), with M a
+// std::integral_constant of 1..4, sets out[0..M) to activation rows [first, first + M)
+// against the weight row w; store(m, n, dot) writes one result. `prefetch`: ask for each
+// row's lines kPrefetchBytes ahead.
+template <typename weight_t, typename Dots, typename Store>
+void for_each_weight_row(int64_t rows, int64_t outs, int64_t in, const weight_t* wp,
+                         bool prefetch, const Dots& dots, const Store& store) {
+  at::parallel_for(0, outs, 64, [&](int64_t begin, int64_t end) {
+    float out[4];
+    const weight_t* stop = wp + end * in;
+    for (int64_t n = begin; n < end; ++n) {
+      const weight_t* w = wp + n * in;
+      if (prefetch) prefetch_ahead(w, in * static_cast<int64_t>(sizeof(weight_t)), stop);
+      for (int64_t m = 0; m < rows; m += 4) {
+        const int64_t take = std::min<int64_t>(4, rows - m);
+        switch (take) {
+          case 4: dots(std::integral_constant<int, 4>{}, m, w, out); break;
+          case 3: dots(std::integral_constant<int, 3>{}, m, w, out); break;
+          case 2: dots(std::integral_constant<int, 2>{}, m, w, out); break;
+          default: dots(std::integral_constant<int, 1>{}, m, w, out); break;
+        }
+        for (int64_t r = 0; r < take; ++r) store(m + r, n, out[r]);
+      }
+    }
+  });
 }
 
 // Rows per parallel task for row-wise kernels: small enough to split a decode batch,

@@ -2,7 +2,6 @@
 // decode steps where the cost is streaming the weights from memory once.
 
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 
@@ -89,29 +88,19 @@ void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
 #ifdef KVSERVE_AVX2
   vectorised = in % 32 == 0;
 #endif
-  at::parallel_for(0, outs, 64, [&](int64_t begin, int64_t end) {
-    float dots[4];
-    const int8_t* stop = wp + end * in;
-    for (int64_t n = begin; n < end; ++n) {
-      const int8_t* w = wp + n * in;
-      prefetch_ahead(w, in, stop);  // a row is `in` bytes
-      for (int64_t m = 0; m < rows;) {
-        const int64_t take = std::min<int64_t>(4, rows - m);
+  for_each_weight_row(
+      rows, outs, in, wp, true,
+      [&](auto M, int64_t m, const int8_t* w, float* dots) {
         const float* xm = xp + m * in;
-        if (!vectorised) {
-          for (int64_t r = 0; r < take; ++r) dots[r] = dot_f32_i8_any(xm + r * in, w, in);
-        }
 #ifdef KVSERVE_AVX2
-        else if (take == 4) dot_rows_i8<4>(xm, in, w, in, dots);
-        else if (take == 3) dot_rows_i8<3>(xm, in, w, in, dots);
-        else if (take == 2) dot_rows_i8<2>(xm, in, w, in, dots);
-        else dot_rows_i8<1>(xm, in, w, in, dots);
+        if (vectorised) {
+          dot_rows_i8<decltype(M)::value>(xm, in, w, in, dots);
+          return;
+        }
 #endif
-        for (int64_t r = 0; r < take; ++r) op[(m + r) * outs + n] = dots[r] * sp[n];
-        m += take;
-      }
-    }
-  });
+        for (int r = 0; r < decltype(M)::value; ++r) dots[r] = dot_f32_i8_any(xm + r * in, w, in);
+      },
+      [&](int64_t m, int64_t n, float dot) { op[m * outs + n] = dot * sp[n]; });
 }
 
 }  // namespace kvserve

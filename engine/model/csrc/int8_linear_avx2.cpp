@@ -10,8 +10,6 @@
 // (vpsignb): |x| * sign(x) w = x w, and a pair is at most 2 * 127 * 127 < 2^15. That needs
 // weights in [-127, 127], which symmetric per-row quantization gives (max|w| maps to 127).
 
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <vector>
 
@@ -111,24 +109,12 @@ template <typename scalar_t>
 void avx2_rows(scalar_t* op, const scalar_t* xp, const int8_t* wp, const float* sp,
                int64_t rows, int64_t in, int64_t outs) {
   const SignedRows q = quantize_signed(xp, rows, in);
-  // As in the other few-row kernels: each thread walks a contiguous range of weight rows.
-  at::parallel_for(0, outs, 64, [&](int64_t begin, int64_t end) {
-    float dots[4];
-    const int8_t* stop = wp + end * in;
-    for (int64_t n = begin; n < end; ++n) {
-      const int8_t* w = wp + n * in;
-      prefetch_ahead(w, in, stop);  // a row is `in` bytes
-      for (int64_t m = 0; m < rows;) {
-        const int64_t take = std::min<int64_t>(4, rows - m);
-        if (take == 4) dot_rows_avx2<4>(q, m, in, w, dots);
-        else if (take == 3) dot_rows_avx2<3>(q, m, in, w, dots);
-        else if (take == 2) dot_rows_avx2<2>(q, m, in, w, dots);
-        else dot_rows_avx2<1>(q, m, in, w, dots);
-        for (int64_t r = 0; r < take; ++r) op[(m + r) * outs + n] = static_cast<scalar_t>(dots[r] * sp[n]);
-        m += take;
-      }
-    }
-  });
+  for_each_weight_row(
+      rows, outs, in, wp, true,
+      [&](auto M, int64_t m, const int8_t* w, float* dots) {
+        dot_rows_avx2<decltype(M)::value>(q, m, in, w, dots);
+      },
+      [&](int64_t m, int64_t n, float dot) { op[m * outs + n] = static_cast<scalar_t>(dot * sp[n]); });
 }
 
 }  // namespace

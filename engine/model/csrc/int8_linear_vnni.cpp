@@ -13,7 +13,6 @@
 // Compiled for AVX512_VNNI whatever the build machine (a target attribute) and called only
 // where the CPU has it (int8_vnni_supported), so one build serves every x86 CPU.
 
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <vector>
@@ -143,25 +142,12 @@ template <typename scalar_t>
 KVSERVE_VNNI_TARGET void vnni_rows(scalar_t* op, const scalar_t* xp, const int8_t* wp,
                                    const float* sp, int64_t rows, int64_t in, int64_t outs) {
   const QuantizedRows q = quantize_rows(xp, rows, in);
-  // Each thread walks a contiguous range of weight rows; every activation row meets a
-  // weight row while it is in L1.
-  at::parallel_for(0, outs, 64, [&](int64_t begin, int64_t end) {
-    float dots[4];
-    const int8_t* stop = wp + end * in;
-    for (int64_t n = begin; n < end; ++n) {
-      const int8_t* w = wp + n * in;
-      prefetch_ahead(w, in, stop);  // a row is `in` bytes
-      for (int64_t m = 0; m < rows;) {
-        const int64_t take = std::min<int64_t>(4, rows - m);
-        if (take == 4) dot_rows_vnni<4>(q, m, in, w, dots);
-        else if (take == 3) dot_rows_vnni<3>(q, m, in, w, dots);
-        else if (take == 2) dot_rows_vnni<2>(q, m, in, w, dots);
-        else dot_rows_vnni<1>(q, m, in, w, dots);
-        for (int64_t r = 0; r < take; ++r) op[(m + r) * outs + n] = dots[r] * sp[n];
-        m += take;
-      }
-    }
-  });
+  for_each_weight_row(
+      rows, outs, in, wp, true,
+      [&](auto M, int64_t m, const int8_t* w, float* dots) {
+        dot_rows_vnni<decltype(M)::value>(q, m, in, w, dots);
+      },
+      [&](int64_t m, int64_t n, float dot) { op[m * outs + n] = dot * sp[n]; });
 }
 
 }  // namespace
