@@ -122,11 +122,12 @@ class Int8Linear:
     rows (decode steps of one to four sequences), in float32 or bfloat16, through one of
     two kernels chosen once from the CPU's features:
 
-    - ``torch.ops.kvserve.int8_linear_vnni`` on CPUs with AVX512_VNNI (``in_features`` a
-      multiple of 64): activations quantized per group of 64 (llama.cpp's Q8_0 grid),
-      integer dot products (vpdpbusd), so the weights stream at the memory's rate;
+    - ``torch.ops.kvserve.int8_linear_vnni`` on CPUs with AVX512_VNNI or AVX2
+      (``in_features`` a multiple of 64): activations quantized per group of 64
+      (llama.cpp's Q8_0 grid), exact integer dot products (vpdpbusd, or vpmaddubsw on the
+      activations' magnitudes), the same numbers on either class;
     - ``torch.ops.kvserve.int8_linear`` elsewhere: float32 activations (exact up to float
-      rounding), each weight widened to float, compute-bound at about half that rate.
+      rounding), each weight widened to float.
 
     Larger batches use fbgemm's integer GEMM (per-tensor 7-bit activations), which is
     faster once the step is compute-bound (bench/bench_kernels.py).
