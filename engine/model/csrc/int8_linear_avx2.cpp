@@ -1,9 +1,9 @@
 // The VNNI int8 kernel's math (int8_linear_vnni.cpp) on CPUs without VNNI: activations
 // rounded to int8 per group of 64 exactly as there, exact integer dot products, then the
-// group and row scales. The float kernel (int8_linear.cpp) it replaces on such CPUs widens
-// every weight to float32, three instructions per eight weights, and is compute-bound at
-// one decode row (measured with every AVX-512 path off: int8 decode 1.9-2.3x its memory
-// floor); here 32 weights take four.
+// group and row scales, so AVX2 and VNNI machines compute the same int8 numbers. The float
+// kernel (int8_linear.cpp) it replaces there takes twelve instructions per 32 weights, this
+// one four; yet it measured only 5-10% faster at one decode row (every AVX-512 path off,
+// docs/BENCHMARKS.md session 11): one core's 256-bit streaming, not compute, bounds both.
 //
 // vpmaddubsw multiplies unsigned by signed bytes into saturating int16 pair sums, so the
 // activation's magnitude is the unsigned side and its sign moves onto the weight
