@@ -27,13 +27,7 @@
 #include "common.h"
 #include "ops.h"
 #include "prefill_attention.h"
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define KVSERVE_BF16_TARGET \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-#define KVSERVE_HAVE_BF16_PREFILL 1
-#endif
+#include "prefill_tiles.h"
 
 namespace kvserve::prefill {
 
@@ -75,9 +69,7 @@ struct Scratch {
   std::vector<float> out;        // [dims][ld]
   std::vector<float> row_max, row_sum, correction;  // [ld]
   std::vector<int32_t> position;                    // [ld]: each row's token position
-  std::vector<uint16_t> widened;  // [2][kKeyTile][head_dim]: K, V rows of a non-bf16 cache
-  std::vector<uint16_t> zero;     // one all-zero row: padding keys
-  std::vector<const uint16_t*> key_rows, value_rows;  // [kPaddedKeys]
+  KeyValueRows kv;                                  // [kPaddedKeys]
 
   void reset(int64_t rows, int64_t head_dim) {
     ld = round_up(rows, kLanes);
@@ -91,46 +83,9 @@ struct Scratch {
     row_sum.assign(ld, 0.f);
     correction.resize(ld);
     position.assign(ld, std::numeric_limits<int32_t>::max());
-    widened.resize(2 * kKeyTile * head_dim);
-    zero.assign(head_dim, 0);
-    key_rows.resize(kPaddedKeys);
-    value_rows.resize(kPaddedKeys);
+    kv.reset(head_dim, kPaddedKeys);
   }
 };
-
-// Points key_rows/value_rows at the tile's keys [begin, begin + count) through the block
-// table: into the cache itself when it holds bf16, else into `widened` after converting
-// (an int8 row times its token's scale). Rows past `count` point at the zero row.
-template <typename cache_t>
-void locate_rows(const Bf16Problem& p, const Task& task, int64_t begin, int64_t count,
-                 Scratch& s) {
-  const int64_t* blocks = p.tables + task.span * p.max_blocks;
-  const int64_t d = p.head_dim;
-  const auto* keys = static_cast<const cache_t*>(p.key_cache) + task.head * p.head_stride;
-  const auto* values = static_cast<const cache_t*>(p.value_cache) + task.head * p.head_stride;
-  const float* k_scales = p.key_scales ? p.key_scales + task.head * p.scale_stride : nullptr;
-  const float* v_scales = p.value_scales ? p.value_scales + task.head * p.scale_stride : nullptr;
-  for (int64_t n = 0; n < count; ++n) {
-    const int64_t t = begin + n;
-    const int64_t slot = blocks[t / p.block_size] * p.block_size + t % p.block_size;
-    if constexpr (std::is_same_v<cache_t, at::BFloat16>) {
-      s.key_rows[n] = reinterpret_cast<const uint16_t*>(keys + slot * d);
-      s.value_rows[n] = reinterpret_cast<const uint16_t*>(values + slot * d);
-    } else {
-      auto* k_row = reinterpret_cast<at::BFloat16*>(s.widened.data() + n * d);
-      auto* v_row = reinterpret_cast<at::BFloat16*>(s.widened.data() + (kKeyTile + n) * d);
-      const float k_factor = k_scales ? k_scales[slot] : 1.f;
-      const float v_factor = v_scales ? v_scales[slot] : 1.f;
-      for (int64_t i = 0; i < d; ++i) {
-        k_row[i] = static_cast<float>(keys[slot * d + i]) * k_factor;
-        v_row[i] = static_cast<float>(values[slot * d + i]) * v_factor;
-      }
-      s.key_rows[n] = reinterpret_cast<const uint16_t*>(k_row);
-      s.value_rows[n] = reinterpret_cast<const uint16_t*>(v_row);
-    }
-  }
-  for (int64_t n = count; n < kPaddedKeys; ++n) s.key_rows[n] = s.value_rows[n] = s.zero.data();
-}
 
 // scores[k][v * 16 + lane] = key k . query row (v * 16 + lane), for K keys and V row vectors.
 template <int K, int V>
@@ -156,7 +111,7 @@ KVSERVE_BF16_TARGET void score_keys(Scratch& s, int64_t pairs, int64_t num_keys,
   const uint32_t* query = s.query.data() + vector * kLanes;
   float* scores = s.scores.data() + vector * kLanes;
   for (int64_t k = 0; k < num_keys; k += kKeyBlock) {
-    score_block<kKeyBlock, V>(s.key_rows.data() + k, query, pairs, s.ld, scores + k * s.ld);
+    score_block<kKeyBlock, V>(s.kv.keys.data() + k, query, pairs, s.ld, scores + k * s.ld);
   }
 }
 
@@ -172,21 +127,6 @@ KVSERVE_BF16_TARGET void score_tile(Scratch& s, int64_t head_dim, int64_t num_ke
       default: score_keys<1>(s, pairs, num_keys, v); break;
     }
   }
-}
-
-// 2^t for t <= 0: t = n + f with |f| <= 1/2, 2^f by its Taylor polynomial to degree 4
-// (relative error < 5e-5, a tenth of a bf16 probability's rounding), scaled by 2^n with
-// vscalefps.
-KVSERVE_BF16_TARGET inline __m512 exp2_nonpositive(__m512 t) {
-  t = _mm512_max_ps(t, _mm512_set1_ps(-127.f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 y = _mm512_set1_ps(9.6181291076284772e-3f);
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(y, n);
 }
 
 // Folds one tile into the running softmax, 16 rows per vector: hides keys after each row's
@@ -238,15 +178,7 @@ KVSERVE_BF16_TARGET void pack_pairs(Scratch& s, int64_t num_keys, int64_t head_d
   alignas(64) static constexpr uint16_t kInterleave[32] = {
       0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  alignas(64) static constexpr uint16_t kLow[32] = {
-      0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static constexpr uint16_t kHigh[32] = {
-      16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
   const __m512i interleave = _mm512_load_si512(kInterleave);
-  const __m512i low = _mm512_load_si512(kLow);
-  const __m512i high = _mm512_load_si512(kHigh);
   const int64_t pairs = (num_keys + 1) / 2;
   for (int64_t j = 0; j < pairs; ++j) {
     const float* even = s.scores.data() + 2 * j * s.ld;
@@ -257,22 +189,8 @@ KVSERVE_BF16_TARGET void pack_pairs(Scratch& s, int64_t num_keys, int64_t head_d
       const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a in lanes 0-15, b 16-31
       _mm512_storeu_si512(s.probs.data() + j * s.ld + r, _mm512_permutexvar_epi16(interleave, both));
     }
-    const uint16_t* v_even = s.value_rows[2 * j];
-    const uint16_t* v_odd = s.value_rows[2 * j + 1];  // the zero row past the last key
-    uint32_t* dst = s.values.data() + j * s.dims;
-    for (int64_t d = 0; d < head_dim; d += 32) {
-      const int64_t left = std::min<int64_t>(32, head_dim - d);
-      const __mmask32 keep = left == 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
-      const __m512i a = _mm512_maskz_loadu_epi16(keep, v_even + d);
-      const __m512i b = _mm512_maskz_loadu_epi16(keep, v_odd + d);
-      const __mmask16 keep_low = static_cast<__mmask16>(left >= 16 ? 0xffff : (1u << left) - 1);
-      _mm512_mask_storeu_epi32(dst + d, keep_low, _mm512_permutex2var_epi16(a, low, b));
-      if (left > 16) {
-        const __mmask16 keep_high = static_cast<__mmask16>(left == 32 ? 0xffff : (1u << (left - 16)) - 1);
-        _mm512_mask_storeu_epi32(dst + d + 16, keep_high, _mm512_permutex2var_epi16(a, high, b));
-      }
-    }
   }
+  interleave_value_pairs(s.kv, pairs, head_dim, s.values.data(), s.dims);
 }
 
 // out[d][rows] = out[d][rows] * correction + sum_j values[j][d] . probs[j][rows], for D head
@@ -356,7 +274,7 @@ void run_task(const Bf16Problem& p, const Task& task, Scratch& s) {
   const int64_t first_position = p.computed[task.span] + task.row_begin;
   for (int64_t key_begin = 0; key_begin < task.keys; key_begin += kKeyTile) {
     const int64_t num_keys = std::min(kKeyTile, task.keys - key_begin);
-    locate_rows<cache_t>(p, task, key_begin, num_keys, s);
+    s.kv.locate<cache_t>(p, task, key_begin, num_keys);
     score_tile(s, p.head_dim, num_keys);
     softmax_tile(s, num_keys, key_begin, key_begin + num_keys > first_position + 1, p.scale);
     pack_pairs(s, num_keys, p.head_dim);
