@@ -32,6 +32,7 @@ SOURCES = (
     "paged_attention.cpp",
     "prefill_attention.cpp",
     "prefill_attention_bf16.cpp",
+    "prefill_attention_amx.cpp",
     "int8_linear.cpp",
     "int8_linear_vnni.cpp",
     "int8_linear_avx2.cpp",

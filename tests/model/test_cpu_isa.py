@@ -1,9 +1,11 @@
 """Both kernel families on whatever CPU the suite runs on.
 
 On a CPU with AVX512_BF16 and VNNI the native ops take the AVX-512 kernels (bf16 prefill
-tiles and GEMV, VNNI int8 and int4); ``KVSERVE_CPU_ISA=avx2`` keeps the AVX2 family
-instead. The kernel tests run again under it in a subprocess, so a CI machine of either
-class checks the fallbacks too (on an AVX2-only machine both runs take the same paths).
+tiles and GEMV, VNNI int8 and int4), and with AMX-BF16 the AMX prefill tiles;
+``KVSERVE_CPU_ISA=avx2`` keeps the AVX2 family instead, ``KVSERVE_CPU_ISA=avx512`` the
+AVX-512 one without AMX. The kernel tests run again under each in a subprocess, so a CI
+machine of any class checks the fallbacks too (where the CPU lacks a family, the runs take
+the same paths).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.model.native import load_native_ops
 
@@ -21,25 +24,61 @@ pytestmark = pytest.mark.skipif(not load_native_ops(), reason="needs the native 
 
 ROOT = Path(__file__).resolve().parents[2]
 AVX2_ONLY = {**os.environ, "KVSERVE_CPU_ISA": "avx2"}
+NO_AMX = {**os.environ, "KVSERVE_CPU_ISA": "avx512"}
 SUPPORT = (
     "import torch\n"
     "from engine.model.native import load_native_ops\n"
     "assert load_native_ops()\n"
-    "print(torch.ops.kvserve.bf16_linear_supported(), torch.ops.kvserve.int8_vnni_supported())\n"
+    "ops = torch.ops.kvserve\n"
+    "print(ops.bf16_linear_supported(), ops.int8_vnni_supported(), ops.amx_prefill_available())\n"
 )
 
 
-def test_the_override_turns_the_avx512_kernels_off():
+def kernel_support(env: dict[str, str]) -> list[str]:
     done = subprocess.run(
         [sys.executable, "-c", SUPPORT],
-        env=AVX2_ONLY,
+        env=env,
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
         check=True,
     )
-    assert done.stdout.split()[-2:] == ["False", "False"]
+    return done.stdout.split()[-3:]
+
+
+def test_the_override_turns_the_avx512_kernels_off():
+    assert kernel_support(AVX2_ONLY) == ["False", "False", "False"]
+
+
+def test_the_avx512_override_keeps_bf16_and_vnni_but_not_amx():
+    ops = torch.ops.kvserve
+    here = [str(ops.bf16_linear_supported()), str(ops.int8_vnni_supported())]
+    assert kernel_support(NO_AMX) == [*here, "False"]
+
+
+def test_the_prefill_tests_pass_on_the_avx512_kernels():
+    """On an AMX machine the bf16 prefill cases otherwise never reach the vdpbf16ps kernel."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            "prefill",
+            "tests/model/test_native_kernels.py",
+        ],
+        env=NO_AMX,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout
 
 
 def test_the_kernel_tests_pass_on_the_avx2_family():

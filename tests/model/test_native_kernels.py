@@ -7,7 +7,9 @@ bfloat16 (within bf16 rounding), including shapes the tiny models do not reach.
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -269,6 +271,49 @@ def test_prefill_attention_reads_narrow_caches(native, kv_dtype):
     expected = TorchKernels().prefill_attention(cache, 0, qkv, meta, spec, 0.125)
     actual = native.prefill_attention(cache, 0, qkv, meta, spec, 0.125)
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bf16_prefill_reads_an_int8_cache(native, head_dim):
+    """A bf16 model over an int8 cache: the bf16 kernels (AMX tiles or vdpbf16ps) widen each
+    row times its token's scale to bf16 before the products; float32 math on the same
+    cache agrees within bf16 rounding (unit-variance rows: with peaked scores the widened
+    keys' own bf16 rounding moves the softmax by more than the kernel's). Rows past a tile's
+    keys and block-padding rows mix in (spans shorter than a tile, a span crossing several)."""
+    spec = make_spec(2 * (256 // head_dim), 256 // head_dim, head_dim)
+    block_size = 16
+    pool = KVPool(KVPoolLayout(spec.kv_shape("int8"), 64, block_size), torch.device("cpu"))
+    cache = PagedKVCache(pool, torch.bfloat16)
+    tables = BlockTables(64, seed=5)
+    spans = [(5, 45), (300, 20), (17, 3)]  # each with a cached prefix, as in the test above
+    blocks = [tables.allocate(cached + new, block_size) for cached, new in spans]
+    width = spec.q_size + 2 * spec.kv_size
+    generator = torch.Generator().manual_seed(11)
+    for (cached, _), ids in zip(spans, blocks, strict=True):
+        slots = [ids[p // block_size] * block_size + p % block_size for p in range(cached)]
+        rows = torch.randn(cached, width, generator=generator)
+        TorchKernels().write_kv(cache, 0, rows.bfloat16(), torch.tensor(slots), spec)
+    chunks = [SequenceChunk(c, n, ids) for (c, n), ids in zip(spans, blocks, strict=True)]
+    meta = build_metadata(chunks, block_size, torch.bfloat16, torch.device("cpu"))
+    qkv = torch.randn(sum(n for _, n in spans), width, generator=generator).bfloat16()
+    TorchKernels().write_kv(cache, 0, qkv, meta.slots, spec)  # the chunk's own K/V, first
+    exact = PagedKVCache(pool, torch.float32)
+    exact_meta = build_metadata(chunks, block_size, torch.float32, torch.device("cpu"))
+    expected = TorchKernels().prefill_attention(exact, 0, qkv.float(), exact_meta, spec, 0.125)
+    actual = native.prefill_attention(cache, 0, qkv, meta, spec, 0.125)
+    torch.testing.assert_close(actual.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_amx_prefill_only_where_the_cpu_has_it(native):
+    """The AMX prefill kernel is on exactly where the CPU reports AMX-BF16 (Linux lists the
+    flag only when it can hand out tile state) and no KVSERVE_CPU_ISA narrows the choice."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    expected = (
+        " amx_bf16" in flags
+        and bool(torch.ops.kvserve.bf16_linear_supported())
+        and "KVSERVE_CPU_ISA" not in os.environ
+    )
+    assert bool(torch.ops.kvserve.amx_prefill_available()) == expected
 
 
 def test_prefill_attention_after_decodes_uses_only_prefill_rows(native):

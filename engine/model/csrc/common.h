@@ -21,6 +21,10 @@ namespace kvserve {
 // tests and benchmarks can exercise and compare both families on one CPU (cpu_features.cpp).
 bool avx512_kernels_allowed();
 
+// Whether the AMX kernels (prefill attention tiles) may run where the CPU has them: false
+// whenever KVSERVE_CPU_ISA is set (avx512 keeps the AVX-512 kernels, avx2 the AVX2 ones).
+bool amx_kernels_allowed();
+
 #ifdef KVSERVE_AVX2
 // exp for 8 floats: Cephes' range reduction (x = n ln2 + r) and degree-5 polynomial,
 // relative error ~1e-7, inputs clamped to +-88.37 so the result never overflows to inf.

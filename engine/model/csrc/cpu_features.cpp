@@ -16,4 +16,9 @@ bool avx512_kernels_allowed() {
   return allowed;
 }
 
+bool amx_kernels_allowed() {
+  static const bool allowed = std::getenv("KVSERVE_CPU_ISA") == nullptr;
+  return allowed;
+}
+
 }  // namespace kvserve

@@ -39,6 +39,10 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& qkv, const at::T
                              const std::optional<at::Tensor>& key_scale,
                              const std::optional<at::Tensor>& value_scale);
 
+// prefill_attention_amx.cpp: whether this CPU and kernel run AMX tiles (and
+// KVSERVE_CPU_ISA is unset); the prefill kernel then takes them for head_dim % 32 == 0.
+bool amx_prefill_available();
+
 // int8_linear.cpp
 void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                  const at::Tensor& scales);

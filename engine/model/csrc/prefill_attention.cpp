@@ -9,7 +9,8 @@
 // BLAS that torch links (MKL's sgemm_), with a portable loop where that symbol is absent.
 // K/V tiles are widened to float32 (int8 rows times their per-token scales) as they are
 // gathered, so every cache dtype shares one code path. A bf16 model on a CPU with
-// AVX512_BF16 takes prefill_attention_bf16.cpp instead: the same tasks with bf16 products.
+// AVX512_BF16 takes prefill_attention_bf16.cpp instead: the same tasks with bf16 products
+// (on AMX tiles, prefill_attention_amx.cpp, where the CPU has AMX-BF16).
 
 #include <ATen/Parallel.h>
 
@@ -241,13 +242,18 @@ void paged_prefill_attention(
     }
   }
   const std::vector<Task> tasks = make_tasks(starts, computed, spans, num_kv_heads);
-  if (qkv.scalar_type() == at::kBFloat16 && prefill::bf16_tiles_supported(head_dim)) {
+  const bool bf16 = qkv.scalar_type() == at::kBFloat16;
+  if (bf16 && (prefill::amx_tiles_supported(head_dim) || prefill::bf16_tiles_supported(head_dim))) {
     const prefill::Bf16Problem problem{
         qkv.data_ptr<at::BFloat16>(), width, out.data_ptr<at::BFloat16>(),
         key_cache.data_ptr(), value_cache.data_ptr(), key_cache.scalar_type(),
         k_scales, v_scales, tables, max_blocks, starts, computed, group, num_heads, head_dim,
         block_size, head_stride, scale_stride, static_cast<float>(scale)};
-    prefill::run_bf16_tiles(tasks, problem);
+    if (prefill::amx_tiles_supported(head_dim)) {
+      prefill::run_amx_tiles(tasks, problem);
+    } else {
+      prefill::run_bf16_tiles(tasks, problem);
+    }
     return;
   }
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());

@@ -1,6 +1,7 @@
-// Shared by the two implementations of paged prefill attention: float32 tile products
-// (prefill_attention.cpp, every CPU and dtype) and bf16 tile products
-// (prefill_attention_bf16.cpp, bf16 models on CPUs with AVX512_BF16). Both take the same
+// Shared by the three implementations of paged prefill attention: float32 tile products
+// (prefill_attention.cpp, every CPU and dtype), bf16 tile products
+// (prefill_attention_bf16.cpp, bf16 models on CPUs with AVX512_BF16) and AMX tiles
+// (prefill_attention_amx.cpp, bf16 models on CPUs with AMX-BF16). All take the same
 // work list: one task is one KV head of one request's span and a tile of its query rows.
 #pragma once
 
@@ -51,5 +52,12 @@ bool bf16_tiles_supported(int64_t head_dim);
 
 // Runs every task with bf16 tile products (float32 accumulation and softmax).
 void run_bf16_tiles(const std::vector<Task>& tasks, const Bf16Problem& problem);
+
+// Whether run_amx_tiles can serve this head size here: AMX-BF16, the kernel's grant of
+// tile state, KVSERVE_CPU_ISA unset, head_dim % 32 == 0 (prefill_attention_amx.cpp).
+bool amx_tiles_supported(int64_t head_dim);
+
+// The same tasks and numerics as run_bf16_tiles, the products on AMX tiles.
+void run_amx_tiles(const std::vector<Task>& tasks, const Bf16Problem& problem);
 
 }  // namespace kvserve::prefill

@@ -30,6 +30,7 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("bf16_linear_supported() -> bool", &kvserve::bf16_linear_supported);
   m.def("int8_vnni_supported() -> bool", &kvserve::int8_vnni_supported);
   m.def("int8_integer_supported() -> bool", &kvserve::int8_integer_supported);
+  m.def("amx_prefill_available() -> bool", &kvserve::amx_prefill_available);
   m.def(
       "apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, int[] rows, int[] mask_rows, "
       "int vocab_size) -> ()");
