@@ -241,6 +241,19 @@ KVSERVE_AMX_TARGET void accumulate_block(Scratch& s, int64_t block, int64_t keys
   }
 }
 
+// 2^t for the softmax's visible scores (t <= 0, finite): exp2_nonpositive without its clamp
+// and one degree lower (Taylor to degree 3, relative error < 6e-4, a third of a bf16
+// probability's rounding). Lanes it gets garbage for (-inf, NaN) are masked off after.
+KVSERVE_AMX_TARGET inline __m512 exp2_probability(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 y = _mm512_set1_ps(5.5504108664821580e-2f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
 // A mask of the first `count` of 16 lanes (none for count <= 0).
 inline __mmask16 first_lanes(int64_t count) {
   return count >= 16 ? 0xffff : count <= 0 ? 0 : static_cast<__mmask16>((1u << count) - 1);
@@ -283,10 +296,10 @@ KVSERVE_AMX_TARGET void softmax_rows(Scratch& s, int64_t first_row, int64_t tile
     for (int64_t n = 0; n < keys; n += 32) {
       const __m512 a = _mm512_maskz_mov_ps(
           first_lanes(visible[i] - n),
-          exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(scores + n), scale, row_shift)));
+          exp2_probability(_mm512_fmsub_ps(_mm512_loadu_ps(scores + n), scale, row_shift)));
       const __m512 b = _mm512_maskz_mov_ps(
           first_lanes(visible[i] - n - 16),
-          exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(scores + n + 16), scale, row_shift)));
+          exp2_probability(_mm512_fmsub_ps(_mm512_loadu_ps(scores + n + 16), scale, row_shift)));
       sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));
       _mm512_storeu_si512(probs + n, (__m512i)_mm512_cvtne2ps_pbh(b, a));  // a first
     }
