@@ -57,21 +57,11 @@ def test_the_avx512_override_keeps_bf16_and_vnni_but_not_amx():
     assert kernel_support(NO_AMX) == [*here, "False"]
 
 
-def test_the_prefill_tests_pass_on_the_avx512_kernels():
-    """On an AMX machine the bf16 prefill cases otherwise never reach the vdpbf16ps kernel."""
+def assert_tests_pass(env: dict[str, str], *selection: str) -> None:
+    """Runs pytest on ``selection`` in a subprocess under ``env``; fails with its output."""
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-k",
-            "prefill",
-            "tests/model/test_native_kernels.py",
-        ],
-        env=NO_AMX,
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection],
+        env=env,
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -79,25 +69,16 @@ def test_the_prefill_tests_pass_on_the_avx512_kernels():
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout
+
+
+def test_the_prefill_tests_pass_on_the_avx512_kernels():
+    """On an AMX machine the bf16 prefill cases otherwise never reach the vdpbf16ps kernel."""
+    assert_tests_pass(NO_AMX, "-k", "prefill", "tests/model/test_native_kernels.py")
 
 
 def test_the_kernel_tests_pass_on_the_avx2_family():
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tests/model/test_native_kernels.py",
-            "tests/model/test_int4_weights.py::test_int4_linear_computes_its_reference",
-        ],
-        env=AVX2_ONLY,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    assert_tests_pass(
+        AVX2_ONLY,
+        "tests/model/test_native_kernels.py",
+        "tests/model/test_int4_weights.py::test_int4_linear_computes_its_reference",
     )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout

@@ -25,7 +25,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -342,39 +341,26 @@ KVSERVE_AMX_TARGET void attend_key_tile(Scratch& s, int64_t key_begin, int64_t n
   }
 }
 
-// Rows stacked group-major (row g * tile + i is query i of head g), as the bf16 kernel does.
-void load_queries(const Bf16Problem& p, const Task& task, int64_t tile, Scratch& s) {
-  const int64_t first_row = p.starts[task.span] + task.row_begin;
-  const int64_t first_position = p.computed[task.span] + task.row_begin;
-  for (int64_t g = 0; g < p.group; ++g) {
-    for (int64_t i = 0; i < tile; ++i) {
-      const int64_t r = g * tile + i;
-      const at::BFloat16* q = p.qkv + (first_row + i) * p.width + (task.head * p.group + g) * p.head_dim;
-      std::memcpy(s.query.data() + r * p.head_dim, q, p.head_dim * sizeof(uint16_t));
-      s.position[r] = static_cast<int32_t>(first_position + i);
-    }
-  }
+void load_queries(const Bf16Problem& p, const Task& task, Scratch& s) {
+  for_each_task_row(p, task, [&](int64_t r, const at::BFloat16* q, at::BFloat16*, int64_t position) {
+    std::memcpy(s.query.data() + r * p.head_dim, q, p.head_dim * sizeof(uint16_t));
+    s.position[r] = static_cast<int32_t>(position);
+  });
 }
 
-void store_output(const Bf16Problem& p, const Task& task, int64_t tile, const Scratch& s) {
-  const int64_t first_row = p.starts[task.span] + task.row_begin;
-  for (int64_t g = 0; g < p.group; ++g) {
-    for (int64_t i = 0; i < tile; ++i) {
-      const int64_t r = g * tile + i;
-      const float inv_sum = 1.f / s.row_sum[r];
-      const float* src = s.out.data() + r * p.head_dim;
-      at::BFloat16* dst = p.out + (first_row + i) * p.num_heads * p.head_dim +
-                          (task.head * p.group + g) * p.head_dim;
-      for (int64_t d = 0; d < p.head_dim; ++d) dst[d] = src[d] * inv_sum;
-    }
-  }
+void store_output(const Bf16Problem& p, const Task& task, const Scratch& s) {
+  for_each_task_row(p, task, [&](int64_t r, const at::BFloat16*, at::BFloat16* dst, int64_t) {
+    const float inv_sum = 1.f / s.row_sum[r];
+    const float* src = s.out.data() + r * p.head_dim;
+    for (int64_t d = 0; d < p.head_dim; ++d) dst[d] = src[d] * inv_sum;
+  });
 }
 
 template <typename cache_t>
 void run_task(const Bf16Problem& p, const Task& task, Scratch& s) {
   const int64_t tile = task.row_end - task.row_begin;
   s.reset(p.group * tile, p.head_dim);
-  load_queries(p, task, tile, s);
+  load_queries(p, task, s);
   for (int64_t key_begin = 0; key_begin < task.keys; key_begin += kKeys) {
     const int64_t num_keys = std::min(kKeys, task.keys - key_begin);
     const int64_t padded = round_up(num_keys, kWidth);
@@ -383,7 +369,7 @@ void run_task(const Bf16Problem& p, const Task& task, Scratch& s) {
     interleave_value_pairs(s.rows, padded / 2, p.head_dim, s.values.data(), p.head_dim);
     attend_key_tile(s, key_begin, num_keys, p.head_dim, p.scale);
   }
-  store_output(p, task, tile, s);
+  store_output(p, task, s);
 }
 
 }  // namespace
@@ -408,22 +394,18 @@ bool amx_tiles_supported(int64_t head_dim) {
 
 void run_amx_tiles(const std::vector<Task>& tasks, const Bf16Problem& problem) {
   TORCH_CHECK(amx_tiles_supported(problem.head_dim), "AMX prefill tiles need AMX-BF16");
-  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
-  with_cache_type(problem.cache_dtype, [&](auto tag) {
-    using cache_t = decltype(tag);
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-      configure_tiles();  // tile configuration is per thread
-      Scratch scratch;
-      for (int64_t worker = begin; worker < end; ++worker) {
-        for (int64_t i = next.fetch_add(1); i < num_tasks; i = next.fetch_add(1)) {
-          run_task<cache_t>(problem, tasks[i], scratch);
-        }
-      }
-      release_tiles();
-    });
-  });
+  // Tile configuration is per thread: each worker loads it with its scratch and releases
+  // the tiles when the scratch goes.
+  struct TileScratch : Scratch {
+    TileScratch() { configure_tiles(); }
+    TileScratch(const TileScratch&) = delete;
+    ~TileScratch() { release_tiles(); }
+  };
+  run_in_parallel(
+      tasks, problem.cache_dtype, [] { return TileScratch(); },
+      [&](auto tag, const Task& task, TileScratch& scratch) {
+        run_task<decltype(tag)>(problem, task, scratch);
+      });
 }
 
 #else

@@ -19,7 +19,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -237,40 +236,27 @@ KVSERVE_BF16_TARGET void accumulate_output(Scratch& s, int64_t num_keys) {
   }
 }
 
-// Rows stacked group-major (row g * tile + i is query i of head g): packs their pairs and
-// positions into the scratch.
-void load_queries(const Bf16Problem& p, const Task& task, int64_t tile, Scratch& s) {
-  const int64_t first_row = p.starts[task.span] + task.row_begin;
-  const int64_t first_position = p.computed[task.span] + task.row_begin;
-  for (int64_t g = 0; g < p.group; ++g) {
-    for (int64_t i = 0; i < tile; ++i) {
-      const int64_t r = g * tile + i;
-      const auto* q = reinterpret_cast<const uint16_t*>(
-          p.qkv + (first_row + i) * p.width + (task.head * p.group + g) * p.head_dim);
-      for (int64_t pair = 0; pair < p.head_dim / 2; ++pair) s.query[pair * s.ld + r] = load_pair(q + 2 * pair);
-      s.position[r] = static_cast<int32_t>(first_position + i);
-    }
-  }
+// Packs each row's query pairs (rows in lanes) and its position into the scratch.
+void load_queries(const Bf16Problem& p, const Task& task, Scratch& s) {
+  for_each_task_row(p, task, [&](int64_t r, const at::BFloat16* row, at::BFloat16*, int64_t position) {
+    const auto* q = reinterpret_cast<const uint16_t*>(row);
+    for (int64_t pair = 0; pair < p.head_dim / 2; ++pair) s.query[pair * s.ld + r] = load_pair(q + 2 * pair);
+    s.position[r] = static_cast<int32_t>(position);
+  });
 }
 
-void store_output(const Bf16Problem& p, const Task& task, int64_t tile, const Scratch& s) {
-  const int64_t first_row = p.starts[task.span] + task.row_begin;
-  for (int64_t g = 0; g < p.group; ++g) {
-    for (int64_t i = 0; i < tile; ++i) {
-      const int64_t r = g * tile + i;
-      const float inv_sum = 1.f / s.row_sum[r];
-      at::BFloat16* dst = p.out + (first_row + i) * p.num_heads * p.head_dim +
-                          (task.head * p.group + g) * p.head_dim;
-      for (int64_t d = 0; d < p.head_dim; ++d) dst[d] = s.out[d * s.ld + r] * inv_sum;
-    }
-  }
+void store_output(const Bf16Problem& p, const Task& task, const Scratch& s) {
+  for_each_task_row(p, task, [&](int64_t r, const at::BFloat16*, at::BFloat16* dst, int64_t) {
+    const float inv_sum = 1.f / s.row_sum[r];
+    for (int64_t d = 0; d < p.head_dim; ++d) dst[d] = s.out[d * s.ld + r] * inv_sum;
+  });
 }
 
 template <typename cache_t>
 void run_task(const Bf16Problem& p, const Task& task, Scratch& s) {
   const int64_t tile = task.row_end - task.row_begin;
   s.reset(p.group * tile, p.head_dim);
-  load_queries(p, task, tile, s);
+  load_queries(p, task, s);
   const int64_t first_position = p.computed[task.span] + task.row_begin;
   for (int64_t key_begin = 0; key_begin < task.keys; key_begin += kKeyTile) {
     const int64_t num_keys = std::min(kKeyTile, task.keys - key_begin);
@@ -280,27 +266,18 @@ void run_task(const Bf16Problem& p, const Task& task, Scratch& s) {
     pack_pairs(s, num_keys, p.head_dim);
     accumulate_output(s, num_keys);
   }
-  store_output(p, task, tile, s);
+  store_output(p, task, s);
 }
 
 }  // namespace
 
 void run_bf16_tiles(const std::vector<Task>& tasks, const Bf16Problem& problem) {
   TORCH_CHECK(bf16_tiles_supported(problem.head_dim), "bf16 prefill tiles need AVX512_BF16");
-  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
-  with_cache_type(problem.cache_dtype, [&](auto tag) {
-    using cache_t = decltype(tag);
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-      Scratch scratch;
-      for (int64_t worker = begin; worker < end; ++worker) {
-        for (int64_t i = next.fetch_add(1); i < num_tasks; i = next.fetch_add(1)) {
-          run_task<cache_t>(problem, tasks[i], scratch);
-        }
-      }
-    });
-  });
+  run_in_parallel(
+      tasks, problem.cache_dtype, [] { return Scratch(); },
+      [&](auto tag, const Task& task, Scratch& scratch) {
+        run_task<decltype(tag)>(problem, task, scratch);
+      });
 }
 
 #else

@@ -5,12 +5,16 @@
 // AVX512_BF16 through a target attribute and called only where the CPU has it.
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "common.h"
 #include "prefill_attention.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -71,6 +75,47 @@ struct KeyValueRows {
     }
   }
 };
+
+// A task's query rows as both bf16 kernels stack them, group-major: row r = g * tile + i is
+// query i of the task's g-th query head (the heads sharing its KV head). Calls
+// fn(r, query, out, position) with that row's query in qkv, its slot in out and its token
+// position.
+template <typename F>
+void for_each_task_row(const Bf16Problem& p, const Task& task, F&& fn) {
+  const int64_t tile = task.row_end - task.row_begin;
+  const int64_t first_row = p.starts[task.span] + task.row_begin;
+  const int64_t first_position = p.computed[task.span] + task.row_begin;
+  for (int64_t g = 0; g < p.group; ++g) {
+    const int64_t column = (task.head * p.group + g) * p.head_dim;
+    for (int64_t i = 0; i < tile; ++i) {
+      const int64_t row = first_row + i;
+      fn(g * tile + i, p.qkv + row * p.width + column,
+         p.out + row * p.num_heads * p.head_dim + column, first_position + i);
+    }
+  }
+}
+
+// Runs every task on the op's threads: each thread makes its own scratch (and whatever
+// per-thread state make_scratch sets up) and takes the next task as it finishes one, so
+// the costly tasks, which make_tasks puts first, spread over the threads.
+// run(cache_t tag, task, scratch) does one task.
+template <typename MakeScratch, typename Run>
+void run_in_parallel(const std::vector<Task>& tasks, at::ScalarType cache_dtype,
+                     MakeScratch&& make_scratch, Run&& run) {
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+  with_cache_type(cache_dtype, [&](auto tag) {
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+      auto scratch = make_scratch();
+      for (int64_t worker = begin; worker < end; ++worker) {
+        for (int64_t i = next.fetch_add(1); i < num_tasks; i = next.fetch_add(1)) {
+          run(tag, tasks[i], scratch);
+        }
+      }
+    });
+  });
+}
 
 #ifdef KVSERVE_HAVE_BF16_PREFILL
 
