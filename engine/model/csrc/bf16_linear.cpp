@@ -6,7 +6,6 @@
 // called where the CPU has it: bf16_linear_supported() reads the CPU's features at run
 // time, so one build serves AVX2-only and AVX-512 machines alike.
 
-
 #include <algorithm>
 #include <cstring>
 

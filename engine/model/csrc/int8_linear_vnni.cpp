@@ -13,7 +13,6 @@
 // Compiled for AVX512_VNNI whatever the build machine (a target attribute) and called only
 // where the CPU has it (int8_vnni_supported), so one build serves every x86 CPU.
 
-
 #include <algorithm>
 #include <vector>
 

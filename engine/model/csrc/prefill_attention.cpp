@@ -243,13 +243,14 @@ void paged_prefill_attention(
   }
   const std::vector<Task> tasks = make_tasks(starts, computed, spans, num_kv_heads);
   const bool bf16 = qkv.scalar_type() == at::kBFloat16;
-  if (bf16 && (prefill::amx_tiles_supported(head_dim) || prefill::bf16_tiles_supported(head_dim))) {
+  const bool amx = bf16 && prefill::amx_tiles_supported(head_dim);
+  if (amx || (bf16 && prefill::bf16_tiles_supported(head_dim))) {
     const prefill::Bf16Problem problem{
         qkv.data_ptr<at::BFloat16>(), width, out.data_ptr<at::BFloat16>(),
         key_cache.data_ptr(), value_cache.data_ptr(), key_cache.scalar_type(),
         k_scales, v_scales, tables, max_blocks, starts, computed, group, num_heads, head_dim,
         block_size, head_stride, scale_stride, static_cast<float>(scale)};
-    if (prefill::amx_tiles_supported(head_dim)) {
+    if (amx) {
       prefill::run_amx_tiles(tasks, problem);
     } else {
       prefill::run_bf16_tiles(tasks, problem);

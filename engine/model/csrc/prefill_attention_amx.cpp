@@ -26,7 +26,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 #include "common.h"
@@ -53,8 +52,6 @@ constexpr int64_t kWidth = 32;  // bf16 per tile row: head dims of Q.K, keys of 
 constexpr int64_t kTileBytes = 64;
 constexpr int64_t kBlockRows = 2 * kRows;  // query rows per block of tile products
 constexpr int64_t kKeys = 256;             // keys per softmax tile
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr float kLog2e = 1.44269504088896341f;
 
 bool cpu_has_amx_bf16() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
@@ -69,10 +66,6 @@ bool kernel_grants_tile_data() {
   constexpr int kArchReqXcompPerm = 0x1023;
   constexpr int kXfeatureTileData = 18;
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureTileData) == 0;
-}
-
-int64_t round_up(int64_t value, int64_t multiple) {
-  return (value + multiple - 1) / multiple * multiple;
 }
 
 // Palette 1 with all 8 tiles at their full 16 rows x 64 bytes: every product here uses

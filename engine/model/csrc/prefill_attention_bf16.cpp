@@ -43,13 +43,6 @@ constexpr int kRowVectors = 4;       // row vectors per scores micro-kernel: 24 
 constexpr int kDimBlock = 8;         // head dims per output micro-kernel (x 3 row vectors)
 constexpr int kOutputRowVectors = 3; // 24 accumulators, no padding for head_dim 64 or 128
 constexpr int64_t kPaddedKeys = (kKeyTile + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr float kLog2e = 1.44269504088896341f;
-
-int64_t round_up(int64_t value, int64_t multiple) {
-  return (value + multiple - 1) / multiple * multiple;
-}
-
 uint32_t load_pair(const uint16_t* p) {
   uint32_t word;
   std::memcpy(&word, p, sizeof(word));

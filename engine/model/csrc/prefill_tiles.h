@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -25,6 +26,13 @@
 #endif
 
 namespace kvserve::prefill {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.44269504088896341f;  // e^x = 2^(x log2e)
+
+inline int64_t round_up(int64_t value, int64_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
 
 // One key tile's K and V rows as bf16 pointers: into the cache itself when it holds bf16,
 // else into `widened` (an int8 row times its token's scale). Rows past the tile's keys
