@@ -12,7 +12,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -30,6 +32,35 @@ namespace kvserve::prefill {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.44269504088896341f;  // e^x = 2^(x log2e)
 
+// Storage on 64-byte cache lines for the tiles' buffers: a tile row or a 64-byte vector
+// that straddles two lines costs two loads (and malloc's large blocks sit 16 bytes past a
+// page). Elements are left uninitialised by resize(); assign() fills them.
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  static constexpr std::align_val_t kAlignment{64};
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlignment)); }
+  void deallocate(T* p, size_t) { ::operator delete(p, kAlignment); }
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;  // default-initialised: no zeroing of a fresh buffer
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
+};
+
+template <typename T>
+using LineVector = std::vector<T, CacheLineAllocator<T>>;
+
 inline int64_t round_up(int64_t value, int64_t multiple) {
   return (value + multiple - 1) / multiple * multiple;
 }
@@ -39,8 +70,8 @@ inline int64_t round_up(int64_t value, int64_t multiple) {
 // point at an all-zero row, so padded products add zeros, never garbage.
 struct KeyValueRows {
   std::vector<const uint16_t*> keys, values;  // [padded keys]
-  std::vector<uint16_t> widened;              // [2][padded keys][head_dim]
-  std::vector<uint16_t> zero;                 // [head_dim]
+  LineVector<uint16_t> widened;               // [2][padded keys][head_dim]
+  LineVector<uint16_t> zero;                  // [head_dim]
 
   void reset(int64_t head_dim, int64_t padded_keys) {
     keys.resize(padded_keys);
