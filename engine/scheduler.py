@@ -18,7 +18,8 @@ Prefill tokens (chunks of running prompts, admissions) are bounded by the step's
 budget as well as the token budget: from ``max_step_time_s``, ``max_step_time_ratio`` (a
 multiple of what the step's decodes alone take) and the step cost the core measures
 (``set_step_cost``), so a step that re-admits long histories cannot stall every decode for
-seconds. Decode tokens are never cut by it.
+seconds. Decode tokens are never cut by it, and a step without decodes is not bounded in
+time (no stream waits on it).
 
 Nothing is admitted or swapped in during a step that preempted, which keeps a freshly freed
 block from being refilled in the same step and rules out admit/preempt ping-pong.
@@ -412,10 +413,13 @@ class Scheduler:
     def _prefill_budget(self) -> int:
         """Prefill tokens this step may compute: the token budget less one token per
         decode, further bounded by ``max_step_time_s`` and ``max_step_time_ratio`` at the
-        measured step cost (``max_step_time_s`` 0 turns both off)."""
+        measured step cost (``max_step_time_s`` 0 turns both off). A step without decodes
+        is not time-bounded: no stream waits on it for a token, and queued prompts wait
+        for the running prefills to finish whatever their chunk, so the bound would only
+        cut a lone long prompt into more, slower steps."""
         decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens <= 1)
         room = max(0, self.config.max_num_batched_tokens - decodes)
-        if self.config.max_step_time_s <= 0:
+        if self.config.max_step_time_s <= 0 or decodes == 0:
             return room
         timed = prefill_token_budget(
             self._step_cost,

@@ -80,9 +80,9 @@ def test_the_ratio_bounds_a_step_to_a_multiple_of_its_decodes() -> None:
     assert prefill_token_budget(cost, 0.8, 0, 32, ratio=4.0) == int(0.79 / 0.00025)
 
 
-def _scheduler(max_step_time_s: float, ratio: float = 0.0) -> Scheduler:
+def _scheduler(max_step_time_s: float, ratio: float = 0.0, max_model_len: int = 1024) -> Scheduler:
     config = SchedulerConfig(
-        max_model_len=1024,
+        max_model_len=max_model_len,
         max_num_batched_tokens=2048,
         max_step_time_s=max_step_time_s,
         max_step_time_ratio=ratio,
@@ -119,6 +119,26 @@ def test_a_long_prefill_is_chunked_to_the_step_time_and_decodes_always_run(
         out = sched.schedule()
         tokens = {r.request_id: r.num_new_tokens for r in out.scheduled}
         assert tokens == {"d1": 1, "d2": 1, "d3": 1, "long": 140}
+
+
+def test_a_step_without_decodes_takes_the_whole_token_budget() -> None:
+    """Nothing decodes: the time bound protects no stream, so prompts are chunked by the
+    token budget alone; once one of them decodes, the bound is back for the next chunk."""
+    sched = _scheduler(0.1, max_model_len=4096)
+    sched.set_step_cost(StepCost(prefill_s_per_token=0.0005, decode_s_per_token=0.01))
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    sched.add_request(make_group("long", list(range(1, 3000)), params))
+    sched.add_request(make_group("short", [1, 2, 3], params))
+    out = sched.schedule()
+    assert {r.request_id: r.num_new_tokens for r in out.scheduled} == {"long": 2048}
+    _run(sched, out)
+    out = sched.schedule()  # the rest of "long", and "short" in what is left
+    assert {r.request_id: r.num_new_tokens for r in out.scheduled} == {"long": 951, "short": 3}
+    _run(sched, out)
+    sched.add_request(make_group("next", list(range(5000, 5899)), params))
+    tokens = {r.request_id: r.num_new_tokens for r in sched.schedule().scheduled}
+    # Two decodes now: (0.1 s - 2 x 0.01 s) / 0.0005 s per token = 160 prefill tokens.
+    assert tokens == {"long": 1, "short": 1, "next": 160}
 
 
 def test_the_scheduler_holds_a_mixed_step_to_the_ratio_of_its_decodes() -> None:
