@@ -104,6 +104,36 @@ inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
 }
 
+// Eight floats rounded to bf16, kept in float32 lanes (the low 16 bits zero): round to
+// nearest even as torch's cast does, a NaN becoming bf16's quiet NaN 0x7fc0 as in
+// c10::BFloat16.
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_and_si256(
+      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))),
+      _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc00000), _mm256_castps_si256(nan));
+}
+
+// Eight floats stored as scalar_t, rounded as torch's casts round.
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) {
+  const __m256i high = _mm256_srli_epi32(bf16_bits8(v), 16);
+  const __m128i packed =
+      _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+inline void store8(at::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+// The element types load8 and store8 take (the kernels' dispatch also instantiates double).
+template <typename T>
+inline constexpr bool kHasVector8 =
+    std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
+
 inline float hsum8(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));

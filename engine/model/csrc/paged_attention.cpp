@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "common.h"
@@ -265,17 +266,26 @@ void write_kv(
       const scalar_t* src = qkv.data_ptr<scalar_t>();
       cache_t* kc = key_cache.data_ptr<cache_t>();
       cache_t* vc = value_cache.data_ptr<cache_t>();
-      for (int64_t t = 0; t < tokens; ++t) {
-        const scalar_t* k = src + t * width + num_heads * head_dim;
-        const scalar_t* v = k + num_kv_heads * head_dim;
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
-          const int64_t dst = (h * slots_per_head + slot[t]) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) {
-            kc[dst + d] = static_cast<cache_t>(static_cast<float>(k[h * head_dim + d]));
-            vc[dst + d] = static_cast<cache_t>(static_cast<float>(v[h * head_dim + d]));
+      // A prefill chunk's rows land in distinct slots, so its tokens split over threads; a
+      // decode step's few rows stay on one (256: the split costs more than their copy).
+      at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const scalar_t* k = src + t * width + num_heads * head_dim;
+          const scalar_t* v = k + num_kv_heads * head_dim;
+          for (int64_t h = 0; h < num_kv_heads; ++h) {
+            const int64_t dst = (h * slots_per_head + slot[t]) * head_dim;
+            if constexpr (std::is_same_v<scalar_t, cache_t>) {
+              std::memcpy(kc + dst, k + h * head_dim, head_dim * sizeof(cache_t));
+              std::memcpy(vc + dst, v + h * head_dim, head_dim * sizeof(cache_t));
+            } else {
+              for (int64_t d = 0; d < head_dim; ++d) {
+                kc[dst + d] = static_cast<cache_t>(static_cast<float>(k[h * head_dim + d]));
+                vc[dst + d] = static_cast<cache_t>(static_cast<float>(v[h * head_dim + d]));
+              }
+            }
           }
         }
-      }
+      });
     });
   });
 }

@@ -298,8 +298,7 @@ KVSERVE_AMX_TARGET void accumulate_block(Scratch& s, const uint32_t* packed_valu
 // |f| <= 1/2, 2^f by its minimax cubic (relative error < 7.5e-5, a 25th of a bf16
 // probability's rounding), scaled by 2^n. n comes from the float adder (adding 1.5 x 2^23
 // rounds to an integer; the build has no -ffast-math to fold it), cheaper here than
-// vroundscaleps. Lanes it gets garbage for
-// (-inf, NaN) are masked off after.
+// vroundscaleps. Lanes it gets garbage for (-inf, NaN) are masked off after.
 KVSERVE_AMX_TARGET inline __m512 exp2_probability(__m512 t) {
   const __m512 round = _mm512_set1_ps(12582912.f);
   const __m512 n = _mm512_sub_ps(_mm512_add_ps(t, round), round);
