@@ -128,6 +128,66 @@ void rotary_(
   });
 }
 
+#ifdef __AVX512F__
+// 16 bf16 values widened to float32, and 16 float32 values rounded to bf16 as torch's cast
+// rounds (to nearest even; a NaN becomes 0x7fc0), kept in the high halves of the lanes.
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512i bf16_bits16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_and_si512(
+      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))),
+      _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
+}
+inline void store16(at::BFloat16* p, __m512 v) {
+  const __m256i half = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits16(v), 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), half);
+}
+
+// e^x for x clamped to [-87, 87]: 2^(x log2e) split as 2^n 2^f, |f| <= 1/2, 2^f by its
+// Taylor polynomial to degree 5 (relative error < 3e-6, far inside a bf16 rounding).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 y = _mm512_set1_ps(1.3333558146428443e-3f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// A bf16 row of silu(gate) * up, 16 at a time (other types: 0 done): the activation is
+// rounded to bf16 before the multiply, as torch's silu(gate) * up rounds it. exp16 and the
+// scalar loop's std::exp may differ in the last float bits, so a product can land one bf16
+// step apart from it. Returns how many leading elements it wrote.
+template <typename scalar_t>
+int64_t silu_and_mul_16(scalar_t* o, const scalar_t* gate, const scalar_t* up, int64_t n) {
+  if constexpr (!std::is_same_v<scalar_t, at::BFloat16>) {
+    return 0;
+  } else {
+    const __m512 one = _mm512_set1_ps(1.f);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m512 g = load16(gate + i);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      const __m512 activated =
+          _mm512_castsi512_ps(bf16_bits16(_mm512_div_ps(g, _mm512_add_ps(one, e))));
+      store16(o + i, _mm512_mul_ps(activated, load16(up + i)));
+    }
+    return i;
+  }
+}
+#endif
+
 // out = silu(x[:, :n]) * x[:, n:] for x of shape [rows, 2n].
 void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
   check_cpu_contiguous(x, "x");
@@ -144,6 +204,9 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
         const scalar_t* gate = xp + r * 2 * n;
         const scalar_t* up = gate + n;
         scalar_t* o = op + r * n;
+#ifdef __AVX512F__
+        if (silu_and_mul_16(o, gate, up, n) == n) continue;  // a whole bf16 row
+#endif
         for (int64_t i = 0; i < n; ++i) exp_neg[i] = -static_cast<float>(gate[i]);
         exp_shifted_sum(exp_neg.data(), n, 0.f);
         for (int64_t i = 0; i < n; ++i) {
