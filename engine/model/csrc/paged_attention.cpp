@@ -104,13 +104,36 @@ GroupKernels<cache_t> group_kernels(int64_t group, int64_t head_dim) {
   return k;
 }
 
-#ifdef __AVX512F__
-// Whole-partition loops for AVX-512 builds: a partition's token rows are gathered into a
-// pointer list first, so the value accumulators of its query heads stay in registers across
-// all of its tokens (the per-token loops above load and store them for every token), and
-// key scores are reduced four tokens at a time instead of one horizontal sum per token.
-// NC is head_dim / 16; G the query heads one call covers.
+// Whole-partition loops: a partition's token rows are gathered into a pointer list first,
+// so the value accumulators of its query heads stay in registers across all of its tokens
+// (the per-token loops above load and store them for every token), and key scores are
+// reduced four tokens at a time instead of one horizontal sum per token. Written once over
+// a vector width: Zmm (16 floats) on AVX-512 builds, Ymm (8) with AVX2. NC is head_dim /
+// lanes; G the query heads one call covers.
+#ifdef KVSERVE_AVX2
+struct Ymm {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr int kAccumulators = 12;  // of 16 registers: the rest hold operands
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V loadu(const float* p) { return _mm256_loadu_ps(p); }
+  static void storeu(float* p, V v) { _mm256_storeu_ps(p, v); }
+  template <typename cache_t>
+  static V load(const cache_t* p) {
+    return load8(p);
+  }
+  static float sum(V v) { return hsum8(v); }
+  // The lane sums of a, b, c and d, in that order.
+  static __m128 sum4(V a, V b, V c, V d) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+  }
+};
+#endif
 
+#ifdef __AVX512F__
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -123,72 +146,97 @@ inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// The lane sums of a, b, c and d, in that order.
-inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  // Per 128-bit lane: [a, b, c, d] partial sums.
-  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
-                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 halves = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, _MM_SHUFFLE(1, 0, 3, 2)));
-  const __m512 total = _mm512_add_ps(halves, _mm512_shuffle_f32x4(halves, halves, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm512_castps512_ps128(total);
-}
+struct Zmm {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr int kAccumulators = 24;  // of 32 registers
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V loadu(const float* p) { return _mm512_loadu_ps(p); }
+  static void storeu(float* p, V v) { _mm512_storeu_ps(p, v); }
+  template <typename cache_t>
+  static V load(const cache_t* p) {
+    return load16(p);
+  }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  static __m128 sum4(V a, V b, V c, V d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    // Per 128-bit lane: [a, b, c, d] partial sums.
+    const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                      _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 halves =
+        _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, _MM_SHUFFLE(1, 0, 3, 2)));
+    const __m512 total =
+        _mm512_add_ps(halves, _mm512_shuffle_f32x4(halves, halves, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm512_castps512_ps128(total);
+  }
+};
+#endif
 
+#ifdef KVSERVE_AVX2
 // scores[g * stride + t] = q[g] . rows[t] for t < n: four tokens' G x NC products, then one
 // sum4 per query head.
-template <int G, int NC, typename cache_t>
+template <typename W, int G, int NC, typename cache_t>
 void partition_scores(const float* q, const cache_t* const* rows, int64_t n, float* scores,
                       int64_t stride) {
-  constexpr int64_t kDim = 16 * NC;
+  using V = typename W::V;
+  constexpr int64_t kDim = W::kLanes * NC;
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
-    __m512 acc[G][4];
+    V acc[G][4];
     for (int g = 0; g < G; ++g)
-      for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
+      for (int j = 0; j < 4; ++j) acc[g][j] = W::zero();
     for (int j = 0; j < 4; ++j) {
       for (int c = 0; c < NC; ++c) {
-        const __m512 k = load16(rows[t + j] + 16 * c);
-        for (int g = 0; g < G; ++g) acc[g][j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * kDim + 16 * c), k, acc[g][j]);
+        const V k = W::load(rows[t + j] + W::kLanes * c);
+        for (int g = 0; g < G; ++g) {
+          acc[g][j] = W::fmadd(W::loadu(q + g * kDim + W::kLanes * c), k, acc[g][j]);
+        }
       }
     }
-    for (int g = 0; g < G; ++g) _mm_storeu_ps(scores + g * stride + t, sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+    for (int g = 0; g < G; ++g) {
+      _mm_storeu_ps(scores + g * stride + t, W::sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+    }
   }
   for (; t < n; ++t) {
-    __m512 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    V acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = W::zero();
     for (int c = 0; c < NC; ++c) {
-      const __m512 k = load16(rows[t] + 16 * c);
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * kDim + 16 * c), k, acc[g]);
+      const V k = W::load(rows[t] + W::kLanes * c);
+      for (int g = 0; g < G; ++g) acc[g] = W::fmadd(W::loadu(q + g * kDim + W::kLanes * c), k, acc[g]);
     }
-    for (int g = 0; g < G; ++g) scores[g * stride + t] = _mm512_reduce_add_ps(acc[g]);
+    for (int g = 0; g < G; ++g) scores[g * stride + t] = W::sum(acc[g]);
   }
 }
 
 // out[g] = sum_t p[g * stride + t] * rows[t] for t < n, the G x NC accumulators in registers.
-template <int G, int NC, typename cache_t>
+template <typename W, int G, int NC, typename cache_t>
 void partition_values(float* out, const float* p, int64_t stride, const cache_t* const* rows,
                       int64_t n) {
-  constexpr int64_t kDim = 16 * NC;
-  __m512 acc[G][NC];
+  using V = typename W::V;
+  constexpr int64_t kDim = W::kLanes * NC;
+  V acc[G][NC];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int c = 0; c < NC; ++c) acc[g][c] = W::zero();
   for (int64_t t = 0; t < n; ++t) {
-    __m512 weight[G];
-    for (int g = 0; g < G; ++g) weight[g] = _mm512_set1_ps(p[g * stride + t]);
+    V weight[G];
+    for (int g = 0; g < G; ++g) weight[g] = W::set1(p[g * stride + t]);
     for (int c = 0; c < NC; ++c) {
-      const __m512 v = load16(rows[t] + 16 * c);
-      for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(weight[g], v, acc[g][c]);
+      const V v = W::load(rows[t] + W::kLanes * c);
+      for (int g = 0; g < G; ++g) acc[g][c] = W::fmadd(weight[g], v, acc[g][c]);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + g * kDim + 16 * c, acc[g][c]);
+    for (int c = 0; c < NC; ++c) W::storeu(out + g * kDim + W::kLanes * c, acc[g][c]);
 }
 #endif
 
 // The whole-partition kernels for one (group, head_dim), covering the group in subsets of
-// `heads` query heads; empty (scores == nullptr) where there are none: not an AVX-512
-// build, KVSERVE_CPU_ISA=avx2, or a head_dim other than 32, 64 or 128.
+// `heads` query heads; empty (scores == nullptr) where there are none: a build without
+// AVX2, or a head_dim whose accumulators do not fit the registers (AVX-512: 32, 64 or 128;
+// AVX2, and AVX-512 builds under KVSERVE_CPU_ISA=avx2: 16, 32 or 64).
 template <typename cache_t>
 struct PartitionKernels {
   void (*scores)(const float*, const cache_t* const*, int64_t, float*, int64_t) = nullptr;
@@ -196,30 +244,42 @@ struct PartitionKernels {
   int64_t heads = 0;
 };
 
-#ifdef __AVX512F__
-template <typename cache_t, int G, int NC>
+#ifdef KVSERVE_AVX2
+template <typename W, typename cache_t, int G, int NC>
 void pick_partition(PartitionKernels<cache_t>& k) {
-  k.scores = &partition_scores<G, NC, cache_t>;
-  k.values = &partition_values<G, NC, cache_t>;
+  k.scores = &partition_scores<W, G, NC, cache_t>;
+  k.values = &partition_values<W, G, NC, cache_t>;
   k.heads = G;
 }
 
-// G x NC value accumulators must fit the 32 vector registers with room to spare: up to 6
-// heads at head_dim 32 or 64, 3 at 128; a larger group goes in equal subsets.
-template <typename cache_t, int NC>
+// G x NC value accumulators must fit the registers with room to spare: on AVX-512 up to 6
+// heads at head_dim 32 or 64 and 3 at 128; with AVX2 3 heads at 32 and 1 at 64. A larger
+// group goes in equal subsets.
+template <typename W, typename cache_t, int NC>
 void pick_partition_heads(PartitionKernels<cache_t>& k, int64_t group) {
-  constexpr int kMaxHeads = 24 / NC;
+  constexpr int kMaxHeads = W::kAccumulators / NC;
   int64_t heads = std::min<int64_t>(group, kMaxHeads);
-  while (group % heads != 0) --heads;
+  while (heads > 0 && group % heads != 0) --heads;
   switch (heads) {
-    case 1: pick_partition<cache_t, 1, NC>(k); break;
-    case 2: pick_partition<cache_t, 2, NC>(k); break;
-    case 3: pick_partition<cache_t, 3, NC>(k); break;
-    case 4: if constexpr (kMaxHeads >= 4) pick_partition<cache_t, 4, NC>(k); break;
-    case 5: if constexpr (kMaxHeads >= 5) pick_partition<cache_t, 5, NC>(k); break;
-    case 6: if constexpr (kMaxHeads >= 6) pick_partition<cache_t, 6, NC>(k); break;
+    case 1: if constexpr (kMaxHeads >= 1) pick_partition<W, cache_t, 1, NC>(k); break;
+    case 2: if constexpr (kMaxHeads >= 2) pick_partition<W, cache_t, 2, NC>(k); break;
+    case 3: if constexpr (kMaxHeads >= 3) pick_partition<W, cache_t, 3, NC>(k); break;
+    case 4: if constexpr (kMaxHeads >= 4) pick_partition<W, cache_t, 4, NC>(k); break;
+    case 5: if constexpr (kMaxHeads >= 5) pick_partition<W, cache_t, 5, NC>(k); break;
+    case 6: if constexpr (kMaxHeads >= 6) pick_partition<W, cache_t, 6, NC>(k); break;
     default: break;
   }
+}
+
+template <typename W, typename cache_t>
+void pick_partition_width(PartitionKernels<cache_t>& k, int64_t group, int64_t head_dim) {
+  switch (head_dim / W::kLanes) {
+    case 2: pick_partition_heads<W, cache_t, 2>(k, group); break;
+    case 4: pick_partition_heads<W, cache_t, 4>(k, group); break;
+    case 8: pick_partition_heads<W, cache_t, 8>(k, group); break;
+    default: break;  // the per-token loops
+  }
+  if (head_dim % W::kLanes != 0) k = PartitionKernels<cache_t>{};
 }
 #endif
 
@@ -227,13 +287,13 @@ template <typename cache_t>
 PartitionKernels<cache_t> partition_kernels(int64_t group, int64_t head_dim) {
   PartitionKernels<cache_t> k;
 #ifdef __AVX512F__
-  if (!avx512_kernels_allowed()) return k;
-  switch (head_dim) {
-    case 32: pick_partition_heads<cache_t, 2>(k, group); break;
-    case 64: pick_partition_heads<cache_t, 4>(k, group); break;
-    case 128: pick_partition_heads<cache_t, 8>(k, group); break;
-    default: break;  // the per-token loops
+  if (avx512_kernels_allowed()) {
+    pick_partition_width<Zmm>(k, group, head_dim);
+    return k;
   }
+#endif
+#ifdef KVSERVE_AVX2
+  pick_partition_width<Ymm>(k, group, head_dim);
 #else
   (void)group;
   (void)head_dim;
