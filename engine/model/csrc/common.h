@@ -142,6 +142,21 @@ inline float hsum8(__m256 v) {
 }
 #endif
 
+#ifdef __AVX512F__
+// Sixteen cache or model values widened to float32 (AVX-512 builds).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
 // Calls f(cache_t{}) with the C++ type of a KV cache dtype: the cache may be stored in a
 // narrower type than the model computes in (e.g. a bfloat16 cache under float32 compute).
 template <typename F>

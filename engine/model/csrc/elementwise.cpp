@@ -129,12 +129,8 @@ void rotary_(
 }
 
 #ifdef __AVX512F__
-// 16 bf16 values widened to float32, and 16 float32 values rounded to bf16 as torch's cast
-// rounds (to nearest even; a NaN becomes 0x7fc0), kept in the high halves of the lanes.
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+// 16 float32 values rounded to bf16 as torch's cast rounds (to nearest even; a NaN becomes
+// 0x7fc0), kept in the high halves of the lanes.
 inline __m512i bf16_bits16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
