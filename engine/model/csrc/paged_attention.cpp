@@ -261,13 +261,13 @@ void pick_partition_heads(PartitionKernels<cache_t>& k, int64_t group) {
 
 template <typename W, typename cache_t>
 void pick_partition_width(PartitionKernels<cache_t>& k, int64_t group, int64_t head_dim) {
+  if (head_dim % W::kLanes != 0) return;  // the per-token loops
   switch (head_dim / W::kLanes) {
     case 2: pick_partition_heads<W, cache_t, 2>(k, group); break;
     case 4: pick_partition_heads<W, cache_t, 4>(k, group); break;
     case 8: pick_partition_heads<W, cache_t, 8>(k, group); break;
     default: break;  // the per-token loops
   }
-  if (head_dim % W::kLanes != 0) k = PartitionKernels<cache_t>{};
 }
 #endif
 

@@ -54,7 +54,7 @@ constexpr int64_t kRows = 16;   // tile rows: query rows or keys
 constexpr int64_t kWidth = 32;  // bf16 per tile row: head dims of Q.K, keys of P.V
 constexpr int64_t kTileBytes = 64;
 constexpr int64_t kBlockRows = 2 * kRows;  // query rows per block of tile products
-constexpr int64_t kKeys = 128;             // keys per softmax tile
+constexpr int64_t kKeys = kKeyTile;        // keys per softmax tile, as the other kernels
 
 bool cpu_has_amx_bf16() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
@@ -95,8 +95,8 @@ KVSERVE_AMX_TARGET void configure_tiles() {
 
 KVSERVE_AMX_TARGET void release_tiles() { _tile_release(); }
 
-// Per-thread buffers, sized once per task. Padding rows of the query and padding keys stay
-// zero, so the products they enter add zeros.
+// Per-thread buffers, sized once per task. Padding rows of the query stay zero, so the
+// products they enter add zeros (padding keys are zeros in PackedContext).
 struct Scratch {
   int64_t ld = 0;                // rows, padded to whole blocks
   LineVector<uint16_t> query;    // [ld][head_dim] bf16
@@ -170,16 +170,16 @@ class PackedContext {
       : head_dim_(p.head_dim), kv_heads_(p.num_heads / p.group) {
     int64_t spans = 0;
     for (const Task& t : tasks) spans = std::max(spans, t.span + 1);
-    std::vector<int64_t> keys(spans, 0);  // per span: what its last row attends to
-    for (const Task& t : tasks) keys[t.span] = std::max(keys[t.span], t.keys);
+    std::vector<int64_t> span_keys(spans, 0);  // per span: what its last row attends to
+    for (const Task& t : tasks) span_keys[t.span] = std::max(span_keys[t.span], t.keys);
     first_tile_.assign(spans * kv_heads_ + 1, 0);
     for (int64_t i = 0; i < spans * kv_heads_; ++i) {
-      first_tile_[i + 1] = first_tile_[i] + (keys[i / kv_heads_] + kKeys - 1) / kKeys;
+      first_tile_[i + 1] = first_tile_[i] + (span_keys[i / kv_heads_] + kKeys - 1) / kKeys;
     }
     const int64_t tiles = first_tile_.back();
     keys_.resize(tiles * tile_elements());  // written before read: not zeroed
     values_.resize(tiles * tile_elements());
-    with_cache_type(p.cache_dtype, [&](auto tag) { pack<decltype(tag)>(p, keys); });
+    with_cache_type(p.cache_dtype, [&](auto tag) { pack<decltype(tag)>(p, span_keys); });
   }
 
   // Key tile `tile` of the task's (span, KV head): [head_dim / 2][kKeys] key pairs.
