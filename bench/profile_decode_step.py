@@ -71,6 +71,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bf16-kernel", choices=["on", "off"], default="on")
     parser.add_argument("--quantization", choices=["none", "int8", "int4"], default="none")
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="activations (float32: what --dtype auto picks on a CPU without bf16 units)",
+    )
+    parser.add_argument("--kv-cache-dtype", default="auto", help="as the server's flag")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=0, help="also print the N costliest ops")
     parser.add_argument(
@@ -88,7 +95,8 @@ def main() -> None:
     args = parser.parse_args()
     built = build_engine(
         EngineArgs(
-            dtype="bfloat16",
+            dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
             quantization=args.quantization,
             enable_prefix_caching=False,
             max_step_time_ms=0,

@@ -114,16 +114,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def resolve_kv_dtype(name: str, dtype: torch.dtype) -> str:
-    if name == "auto":
-        return dtype_name(dtype)
-    if name not in accounting.KV_DTYPE_BYTES:
-        raise ValueError(
-            f"--kv-cache-dtype must be auto or one of {sorted(accounting.KV_DTYPE_BYTES)}"
-        )
-    return name
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -142,7 +132,8 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     quantized = quantize_weights(model.weights, args.quantization, rowwise, kernels.name)
     model = model.replace(weights=quantized, kernels=kernels)
     max_model_len = _max_model_len(args, model.spec.context_limit)
-    kv_shape = model.spec.kv_shape(resolve_kv_dtype(args.kv_cache_dtype, dtype))
+    kv_dtype = accounting.resolve_kv_dtype(args.kv_cache_dtype, dtype_name(dtype), args.dtype)
+    kv_shape = model.spec.kv_shape(kv_dtype)
     weight_bytes = model.weights.nbytes
     activation = measure_activation_peak(model, kv_shape, args, max_model_len)
     if not args.enforce_eager:  # the decode CUDA graphs' memory, measured (0 off CUDA)

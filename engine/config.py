@@ -179,7 +179,7 @@ class EngineArgs:
     model: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
-    kv_cache_dtype: str = "auto"  # auto | bfloat16 | float16 | fp8 | int8
+    kv_cache_dtype: str = "auto"  # auto (accounting.resolve_kv_dtype) | a KV_DTYPE_BYTES key
     max_model_len: int | None = None  # None: min(model's context, 8192)
     block_size: int = 16
     kv_cache_memory_gib: float = 2.0  # CPU: the KV budget on top of weights/activations

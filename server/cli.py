@@ -72,7 +72,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     cache = p.add_argument_group("KV cache")
     cache.add_argument("--block-size", type=int, default=16)
     cache.add_argument(
-        "--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "fp8", "int8"]
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16", "fp8", "int8"],
+        help="auto: the serving dtype, but bfloat16 where --dtype auto computes in float32",
     )
     cache.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV budget, GiB (CPU)")
     cache.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -115,7 +115,11 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--concurrency", "-c", type=int, default=1)
     parser.add_argument("--avg-len", type=int, default=None, help="default: --max-model-len")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto = the serving dtype")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto = the serving dtype (bfloat16 where --dtype auto picks float32)",
+    )
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_BYTES])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument(
@@ -167,7 +171,7 @@ def build_report(args: argparse.Namespace) -> PlanReport:
     facts = read_model_facts(args.model)
     device = _resolve_device(args.device)
     dtype = _resolve_dtype(args.dtype, device)
-    kv_dtype = dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    kv_dtype = accounting.resolve_kv_dtype(args.kv_cache_dtype, dtype, args.dtype)
     shape = KVShape(facts.num_layers, facts.num_kv_heads, facts.head_dim, kv_dtype)
     max_len = args.max_model_len or min(facts.context_len, DEFAULT_CONTEXT_CAP)
     avg_len = min(args.avg_len or max_len, max_len)

@@ -34,6 +34,30 @@ QUANTIZED_KV_DTYPES = frozenset({"fp8", "int8"})
 SCALE_BYTES = 4
 
 
+def resolve_kv_dtype(kv_cache_dtype: str, serving_dtype: str, requested_dtype: str) -> str:
+    """The KV cache dtype ``--kv-cache-dtype kv_cache_dtype`` gives a model served in
+    ``serving_dtype`` (what ``--dtype requested_dtype`` resolved to).
+
+    ``auto`` is the serving dtype, with one exception: where ``--dtype auto`` chose float32
+    (a CPU without bf16 units computes faster in float32), the cache stays bfloat16. That
+    widening is for arithmetic speed, not precision; a float32 cache would double what every
+    token of every conversation costs (and the bytes a decode step reads), where the model
+    computes on bf16 keys and values on any bf16 machine and llama.cpp keeps a 16-bit cache
+    whatever its compute type. ``--kv-cache-dtype float32`` (or ``--dtype float32``, asked
+    for explicitly) keeps a float32 cache.
+    """
+    if kv_cache_dtype != "auto":
+        if kv_cache_dtype not in KV_DTYPE_BYTES:
+            raise ValueError(
+                f"--kv-cache-dtype must be auto or one of {sorted(KV_DTYPE_BYTES)}, "
+                f"not {kv_cache_dtype!r}"
+            )
+        return kv_cache_dtype
+    if requested_dtype == "auto" and serving_dtype == "float32":
+        return "bfloat16"
+    return serving_dtype
+
+
 @dataclass(frozen=True)
 class KVShape:
     """What one token costs in the cache: the model's attention shape and the KV dtype."""

@@ -144,6 +144,34 @@ def test_write_and_decode_attention_match_torch(native, dtype, shape, block_size
         close(actual, expected)
 
 
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
+def test_float32_rows_narrow_into_the_cache_as_torch_rounds_them(native, kv_dtype):
+    """A float32 model's K/V written into a 16-bit cache (bf16 is what `--dtype auto` keeps
+    where it computes in float32): the native write rounds exactly as torch's cast, ties to
+    even, infinities and NaNs included, in rows of whole vectors and with a tail."""
+    for head_dim in (64, 20):
+        spec = make_spec(4, 2, head_dim)
+        shape = spec.kv_shape(kv_dtype)
+        caches = [
+            PagedKVCache(KVPool(KVPoolLayout(shape, 8, 4), torch.device("cpu")), torch.float32)
+            for _ in range(2)
+        ]
+        qkv = torch.randn(6, spec.q_size + 2 * spec.kv_size) * 1e3
+        # Exact ties between two bf16 values (a 1 in bit 15 only), and the specials.
+        qkv[0, :8] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1e38 * 3.4, 0.0])[
+            torch.arange(8) % 5
+        ]
+        specials = [float("inf"), float("-inf"), float("nan"), -0.0]
+        qkv[1, spec.q_size : spec.q_size + 4] = torch.tensor(specials)
+        slots = torch.tensor([0, 5, 9, 14, 22, 31])
+        native.write_kv(caches[0], 0, qkv, slots, spec)
+        TorchKernels().write_kv(caches[1], 0, qkv, slots, spec)
+        for ours, theirs in zip(caches[0].pool.tensors(), caches[1].pool.tensors(), strict=True):
+            nan = theirs.isnan()  # a NaN's payload is torch's own choice (it differs by path)
+            assert torch.equal(ours.isnan(), nan)
+            assert torch.equal(ours.view(torch.int16)[~nan], theirs.view(torch.int16)[~nan])
+
+
 @pytest.mark.parametrize("shape", ["mha", "gqa", "wide"])
 def test_decode_attention_with_scores_past_exps_range_matches_torch(native, shape):
     """Scores in the thousands overflow exp unless each partition subtracts its true peak
@@ -166,11 +194,12 @@ def test_decode_attention_with_scores_past_exps_range_matches_torch(native, shap
     torch.testing.assert_close(actual, expected, rtol=1e-3, atol=0.05)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "float16"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "float16", "bfloat16"])
 def test_quantized_cache_decode_attention_matches_torch(native, kv_dtype):
     """int8 caches are read natively (scores scaled by the key scale, softmax weights by the
     value scale); fp8 ones defer to torch. Both backends write quantized caches alike. A
-    float16 cache under float32 compute is widened as it is read."""
+    float16 or bfloat16 cache under float32 compute (bf16: what `--dtype auto` keeps where
+    it computes in float32) is widened as it is read."""
     spec = make_spec(9, 3, 64)
     shape = spec.kv_shape(kv_dtype)
     block_size, contexts = 4, [2, 9, 31, 300]  # 300: three 128-token partitions, merged
@@ -183,7 +212,7 @@ def test_quantized_cache_decode_attention_matches_torch(native, kv_dtype):
     for ctx, ids in zip(contexts, blocks, strict=True):
         slots = [ids[p // block_size] * block_size + p % block_size for p in range(ctx)]
         native.write_kv(cache, 0, torch.randn(ctx, width) * 3, torch.tensor(slots), spec)
-    if kv_dtype != "float16":
+    if kv_dtype in ("int8", "fp8"):
         assert cache.pool.key_scale is not None and cache.pool.key_scale[0].abs().sum() > 0
     chunks = [SequenceChunk(ctx - 1, 1, ids) for ctx, ids in zip(contexts, blocks, strict=True)]
     meta = build_metadata(chunks, block_size, torch.float32, torch.device("cpu"))
@@ -245,10 +274,10 @@ def test_bf16_prefill_over_many_key_tiles_matches_float32_math(native, shape):
     torch.testing.assert_close(actual.float(), expected, atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "float16"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "float16", "bfloat16"])
 def test_prefill_attention_reads_narrow_caches(native, kv_dtype):
-    """An int8 cache (rows times their per-token scales) and a float16 one under float32
-    compute give what torch computes from the same cache. (Every chunk here has a cached
+    """An int8 cache (rows times their per-token scales) and a float16 or bfloat16 one under
+    float32 compute give what torch computes from the same cache. (Every chunk here has a cached
     prefix: for a fresh prompt torch attends the unrounded new K/V, the native kernel the
     cached, rounded ones, as decode does later.)"""
     spec = make_spec(9, 3, 64)

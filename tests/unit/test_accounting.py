@@ -91,6 +91,28 @@ def test_unknown_dtype_is_rejected() -> None:
         acc.KVShape(1, 1, 1, "float64")
 
 
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "serving", "requested", "expected"),
+    [
+        ("auto", "bfloat16", "auto", "bfloat16"),
+        ("auto", "float32", "auto", "bfloat16"),  # widened for arithmetic, not for the cache
+        ("auto", "float32", "float32", "float32"),  # asked for by name
+        ("auto", "float16", "float16", "float16"),
+        ("float32", "float32", "auto", "float32"),
+        ("int8", "bfloat16", "auto", "int8"),
+    ],
+)
+def test_kv_dtype_resolution(
+    kv_cache_dtype: str, serving: str, requested: str, expected: str
+) -> None:
+    assert acc.resolve_kv_dtype(kv_cache_dtype, serving, requested) == expected
+
+
+def test_an_unknown_kv_cache_dtype_is_named_in_the_error() -> None:
+    with pytest.raises(ValueError, match="'float64'"):
+        acc.resolve_kv_dtype("float64", "float32", "auto")
+
+
 def test_format_bytes() -> None:
     assert acc.format_bytes(98_304_000) == "93.75 MiB"
     assert acc.format_bytes(12) == "12 B"

@@ -61,17 +61,27 @@ def test_bytes_per_token_follow_the_formula(
 
 
 @pytest.mark.parametrize(("native_bf16", "cpu_dtype"), [(True, "bfloat16"), (False, "float32")])
-def test_kv_dtype_auto_follows_the_serving_dtype(
+def test_kv_dtype_auto_is_16_bit_whatever_dtype_auto_computes_in(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native_bf16: bool, cpu_dtype: str
 ) -> None:
-    # Both CPU kinds on every machine: `--dtype auto` follows cpu_has_native_bf16().
+    # Both CPU kinds on every machine: `--dtype auto` follows cpu_has_native_bf16(); where it
+    # widens to float32 for speed, the cache stays bf16 (half the bytes every token costs).
     monkeypatch.setattr(builder, "cpu_has_native_bf16", lambda: native_bf16)
     model = str(write_config(tmp_path))
     cpu = build_report(parse("--model", model, "--device", "cpu"))
-    assert cpu.dtype == cpu_dtype
-    assert cpu.kv_cache_dtype == cpu.dtype
+    assert (cpu.dtype, cpu.kv_cache_dtype) == (cpu_dtype, "bfloat16")
     cuda = build_report(parse("--model", model, "--device", "cuda"))
     assert (cuda.dtype, cuda.kv_cache_dtype) == ("bfloat16", "bfloat16")
+
+
+def test_an_explicit_float32_dtype_keeps_a_float32_cache(tmp_path: Path) -> None:
+    model = str(write_config(tmp_path))
+    report = build_report(parse("--model", model, "--device", "cpu", "--dtype", "float32"))
+    assert (report.dtype, report.kv_cache_dtype) == ("float32", "float32")
+    narrowed = build_report(
+        parse("--model", model, "--dtype", "float32", "--kv-cache-dtype", "bfloat16")
+    )
+    assert narrowed.bytes_per_token * 2 == report.bytes_per_token
 
 
 def test_sequences_demand_and_fit(tmp_path: Path) -> None:
