@@ -119,8 +119,10 @@ def fill_cache(
 
 
 # (heads, KV heads, head_dim). On AVX-512 builds decode attention takes whole-partition
-# kernels for head_dim 32/64/128 (wide: a group of 8 in subsets of 2) and the per-token
-# loops for 16 (mha); KVSERVE_CPU_ISA=avx2 reruns these on the per-token loops only.
+# kernels for head_dim 32/64/128 (wide: a group of 8, four heads a call in column slices)
+# and the per-token loops for 16 (mha); KVSERVE_CPU_ISA=avx2 reruns these with the
+# whole-partition kernels for head_dim 16-64 (gqa: three heads a call, values in half
+# rows) and the per-token loops for 128.
 SHAPES = {"mha": (4, 4, 16), "gqa": (9, 3, 64), "mqa": (4, 1, 32), "wide": (16, 2, 128)}
 
 

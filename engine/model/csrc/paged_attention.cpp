@@ -114,7 +114,7 @@ GroupKernels<cache_t> group_kernels(int64_t group, int64_t head_dim) {
 struct Ymm {
   using V = __m256;
   static constexpr int kLanes = 8;
-  static constexpr int kAccumulators = 12;  // of 16 registers: the rest hold operands
+  static constexpr int kRegisters = 16;
   static V zero() { return _mm256_setzero_ps(); }
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
@@ -137,7 +137,7 @@ struct Ymm {
 struct Zmm {
   using V = __m512;
   static constexpr int kLanes = 16;
-  static constexpr int kAccumulators = 24;  // of 32 registers
+  static constexpr int kRegisters = 32;
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
@@ -164,8 +164,10 @@ struct Zmm {
 #endif
 
 #ifdef KVSERVE_AVX2
-// scores[g * stride + t] = q[g] . rows[t] for t < n: four tokens' G x NC products, then one
-// sum4 per query head.
+// scores[g * stride + t] = q[g] . rows[t] for t < n: four tokens at a time, each vector of
+// the G query heads loaded once for the four keys (the query stays in registers while keys
+// stream: about half a load per FMA), then one sum4 per query head. Every score sums its
+// chunks in the same order whatever G is, so the split over heads never changes a result.
 template <typename W, int G, int NC, typename cache_t>
 void partition_scores(const float* q, const cache_t* const* rows, int64_t n, float* scores,
                       int64_t stride) {
@@ -176,12 +178,12 @@ void partition_scores(const float* q, const cache_t* const* rows, int64_t n, flo
     V acc[G][4];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < 4; ++j) acc[g][j] = W::zero();
-    for (int j = 0; j < 4; ++j) {
-      for (int c = 0; c < NC; ++c) {
+    for (int c = 0; c < NC; ++c) {
+      V query[G];
+      for (int g = 0; g < G; ++g) query[g] = W::loadu(q + g * kDim + W::kLanes * c);
+      for (int j = 0; j < 4; ++j) {
         const V k = W::load(rows[t + j] + W::kLanes * c);
-        for (int g = 0; g < G; ++g) {
-          acc[g][j] = W::fmadd(W::loadu(q + g * kDim + W::kLanes * c), k, acc[g][j]);
-        }
+        for (int g = 0; g < G; ++g) acc[g][j] = W::fmadd(query[g], k, acc[g][j]);
       }
     }
     for (int g = 0; g < G; ++g) {
@@ -199,12 +201,14 @@ void partition_scores(const float* q, const cache_t* const* rows, int64_t n, flo
   }
 }
 
-// out[g] = sum_t p[g * stride + t] * rows[t] for t < n, the G x NC accumulators in registers.
+// out[g][column, column + NC lanes) = sum_t p[g * stride + t] * rows[t][same columns] for
+// t < n, the G x NC accumulators in registers. A slice of the columns per call lets every
+// query head of a group share each value load where the whole row's accumulators would
+// not fit the registers (AVX2 at head_dim 64); each output is the same sum either way.
 template <typename W, int G, int NC, typename cache_t>
 void partition_values(float* out, const float* p, int64_t stride, const cache_t* const* rows,
-                      int64_t n) {
+                      int64_t n, int64_t head_dim, int64_t column) {
   using V = typename W::V;
-  constexpr int64_t kDim = W::kLanes * NC;
   V acc[G][NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) acc[g][c] = W::zero();
@@ -212,62 +216,96 @@ void partition_values(float* out, const float* p, int64_t stride, const cache_t*
     V weight[G];
     for (int g = 0; g < G; ++g) weight[g] = W::set1(p[g * stride + t]);
     for (int c = 0; c < NC; ++c) {
-      const V v = W::load(rows[t] + W::kLanes * c);
+      const V v = W::load(rows[t] + column + W::kLanes * c);
       for (int g = 0; g < G; ++g) acc[g][c] = W::fmadd(weight[g], v, acc[g][c]);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) W::storeu(out + g * kDim + W::kLanes * c, acc[g][c]);
+    for (int c = 0; c < NC; ++c) W::storeu(out + g * head_dim + column + W::kLanes * c, acc[g][c]);
 }
 #endif
 
-// The whole-partition kernels for one (group, head_dim), covering the group in subsets of
-// `heads` query heads; empty (scores == nullptr) where there are none: a build without
-// AVX2, or a head_dim whose accumulators do not fit the registers (AVX-512: 32, 64 or 128;
-// AVX2, and AVX-512 builds under KVSERVE_CPU_ISA=avx2: 16, 32 or 64).
+// The whole-partition kernels for one (group, head_dim): scores cover the group in subsets
+// of `score_heads` query heads, values in subsets of `value_heads` over slices of
+// `value_columns` columns. Empty (scores == nullptr) where there are none: a build without
+// AVX2, or a head_dim that is not 2, 4 or 8 vectors (AVX-512: 32, 64 or 128; AVX2, and
+// AVX-512 builds under KVSERVE_CPU_ISA=avx2: 16, 32 or 64).
 template <typename cache_t>
 struct PartitionKernels {
   void (*scores)(const float*, const cache_t* const*, int64_t, float*, int64_t) = nullptr;
-  void (*values)(float*, const float*, int64_t, const cache_t* const*, int64_t) = nullptr;
-  int64_t heads = 0;
+  void (*values)(float*, const float*, int64_t, const cache_t* const*, int64_t, int64_t,
+                 int64_t) = nullptr;
+  int64_t score_heads = 0;
+  int64_t value_heads = 0;
+  int64_t value_columns = 0;
 };
 
 #ifdef KVSERVE_AVX2
-template <typename W, typename cache_t, int G, int NC>
-void pick_partition(PartitionKernels<cache_t>& k) {
-  k.scores = &partition_scores<W, G, NC, cache_t>;
-  k.values = &partition_values<W, G, NC, cache_t>;
-  k.heads = G;
+// The most query heads, up to kMax (and six: the kernels instantiated), that divide the
+// group evenly.
+template <int kMax>
+int64_t heads_per_call(int64_t group) {
+  int64_t heads = std::min<int64_t>({group, kMax, 6});
+  while (heads > 0 && group % heads != 0) --heads;
+  return heads;
 }
 
-// G x NC value accumulators must fit the registers with room to spare: on AVX-512 up to 6
-// heads at head_dim 32 or 64 and 3 at 128; with AVX2 3 heads at 32 and 1 at 64. A larger
-// group goes in equal subsets.
-template <typename W, typename cache_t, int NC>
-void pick_partition_heads(PartitionKernels<cache_t>& k, int64_t group) {
-  constexpr int kMaxHeads = W::kAccumulators / NC;
-  int64_t heads = std::min<int64_t>(group, kMaxHeads);
-  while (heads > 0 && group % heads != 0) --heads;
-  switch (heads) {
-    case 1: if constexpr (kMaxHeads >= 1) pick_partition<W, cache_t, 1, NC>(k); break;
-    case 2: if constexpr (kMaxHeads >= 2) pick_partition<W, cache_t, 2, NC>(k); break;
-    case 3: if constexpr (kMaxHeads >= 3) pick_partition<W, cache_t, 3, NC>(k); break;
-    case 4: if constexpr (kMaxHeads >= 4) pick_partition<W, cache_t, 4, NC>(k); break;
-    case 5: if constexpr (kMaxHeads >= 5) pick_partition<W, cache_t, 5, NC>(k); break;
-    case 6: if constexpr (kMaxHeads >= 6) pick_partition<W, cache_t, 6, NC>(k); break;
-    default: break;
+// pick(std::integral_constant<int, heads>) for a run-time 1 <= heads <= G.
+template <int G, typename F>
+void with_heads(int64_t heads, F&& pick) {
+  if constexpr (G >= 1) {
+    if (heads == G) {
+      pick(std::integral_constant<int, G>{});
+    } else {
+      with_heads<G - 1>(heads, pick);
+    }
   }
+}
+
+// Scores hold 4 tokens' accumulators per head, plus one register per head for the query
+// and one for the key: on AVX2 three heads at a time, on AVX-512 six.
+template <typename W, typename cache_t, int NC>
+void pick_scores(PartitionKernels<cache_t>& k, int64_t group) {
+  constexpr int kMax = (W::kRegisters - 1) / 5;
+  const int64_t heads = heads_per_call<kMax>(group);
+  with_heads<kMax>(heads, [&](auto g) {
+    k.scores = &partition_scores<W, decltype(g)::value, NC, cache_t>;
+    k.score_heads = g;
+  });
+}
+
+// The widest column slice (vectors, halving from a whole row) whose G x slice accumulators,
+// G weights and the value row fit the registers.
+template <typename W, int G, int NC>
+constexpr int value_slice() {
+  int slice = NC;
+  while (slice > 1 && G * slice + G + 1 > W::kRegisters) slice /= 2;
+  return slice;
+}
+
+// Values: every head of the group per call (each value row read once per slice, so once in
+// all), over the widest slice that fits; a group past six in equal subsets.
+template <typename W, typename cache_t, int NC>
+void pick_values(PartitionKernels<cache_t>& k, int64_t group) {
+  with_heads<6>(heads_per_call<6>(group), [&](auto g) {
+    constexpr int G = decltype(g)::value;
+    constexpr int kSlice = value_slice<W, G, NC>();
+    k.values = &partition_values<W, G, kSlice, cache_t>;
+    k.value_heads = G;
+    k.value_columns = kSlice * W::kLanes;
+  });
 }
 
 template <typename W, typename cache_t>
 void pick_partition_width(PartitionKernels<cache_t>& k, int64_t group, int64_t head_dim) {
   if (head_dim % W::kLanes != 0) return;  // the per-token loops
   switch (head_dim / W::kLanes) {
-    case 2: pick_partition_heads<W, cache_t, 2>(k, group); break;
-    case 4: pick_partition_heads<W, cache_t, 4>(k, group); break;
-    case 8: pick_partition_heads<W, cache_t, 8>(k, group); break;
+    case 2: pick_scores<W, cache_t, 2>(k, group); pick_values<W, cache_t, 2>(k, group); break;
+    case 4: pick_scores<W, cache_t, 4>(k, group); pick_values<W, cache_t, 4>(k, group); break;
+    case 8: pick_scores<W, cache_t, 8>(k, group); pick_values<W, cache_t, 8>(k, group); break;
     default: break;  // the per-token loops
   }
+  if (k.scores == nullptr || k.values == nullptr) k = PartitionKernels<cache_t>{};
 }
 #endif
 
@@ -421,7 +459,7 @@ void attend_partition(const float* q, const cache_t* k_head, const cache_t* v_he
                         });
   for_each_cached_token(v_head, blocks, begin, end, block_size, head_dim,
                         [&](const cache_t* row, int64_t t, int64_t) { values[t - begin] = row; });
-  for (int64_t g = 0; g < group; g += whole.heads) {
+  for (int64_t g = 0; g < group; g += whole.score_heads) {
     whole.scores(q + g * head_dim, keys, tokens, scores + g * tokens, tokens);
   }
   for (int64_t t = 0; k_scales != nullptr && t < tokens; ++t) {
@@ -435,8 +473,11 @@ void attend_partition(const float* q, const cache_t* k_head, const cache_t* v_he
   for (int64_t t = 0; v_scales != nullptr && t < tokens; ++t) {
     scale_column(scores + t, tokens, group, v_scales[slots[t]]);
   }
-  for (int64_t g = 0; g < group; g += whole.heads) {
-    whole.values(result.out + g * head_dim, scores + g * tokens, tokens, values, tokens);
+  for (int64_t g = 0; g < group; g += whole.value_heads) {
+    for (int64_t column = 0; column < head_dim; column += whole.value_columns) {
+      whole.values(result.out + g * head_dim, scores + g * tokens, tokens, values, tokens,
+                   head_dim, column);
+    }
   }
 }
 
