@@ -86,7 +86,7 @@ def bench_attention(args: argparse.Namespace) -> None:
         SequenceChunk(args.context - 1, 1, order[i * blocks_per_seq : (i + 1) * blocks_per_seq])
         for i in range(args.batch)
     ]
-    meta = build_metadata(chunks, args.block_size, torch.float32, torch.device("cpu"))
+    meta = build_metadata(chunks, args.block_size, torch.device("cpu"))
     qkv = torch.randn(args.batch, spec.q_size + 2 * spec.kv_size)
     backends = {"native": NativeKernels(), "torch": TorchKernels()}
     print(f"decode attention per layer, B={args.batch}, context {args.context}")

@@ -73,7 +73,7 @@ def attention_seconds(model, cache, prompt_len: int, chunk: int, kernels) -> flo
     blocks = list(range(-(-prompt_len // cache.block_size)))
     new = min(chunk, prompt_len)
     meta = build_metadata(
-        [SequenceChunk(prompt_len - new, new, blocks)], cache.block_size, model.dtype, model.device
+        [SequenceChunk(prompt_len - new, new, blocks)], cache.block_size, model.device
     )
     qkv = torch.randn(new, spec.q_size + 2 * spec.kv_size, dtype=model.dtype)
     scale = spec.head_dim**-0.5

@@ -87,7 +87,7 @@ class ModelRunner:
         """Final hidden states ``[batch tokens, hidden]`` of the new tokens, in batch order."""
         model = self.model
         meta_chunks = [chunk for r in batch for chunk in chunks(r)]
-        meta = build_metadata(meta_chunks, self.block_size, model.dtype, model.device)
+        meta = build_metadata(meta_chunks, self.block_size, model.device)
         flat_ids = [t for r in batch for t in r.token_ids]
         token_ids = torch.tensor(flat_ids, dtype=torch.long).to(model.device, non_blocking=True)
         return model.forward(token_ids, meta, self.cache)

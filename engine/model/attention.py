@@ -79,14 +79,13 @@ class AttentionMetadata:
     num_decodes: int  # rows [0, num_decodes) are single-token decodes
     decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks], padded
     decode_context_lens: torch.Tensor | None  # [num_decodes] keys each decode attends
-    decode_bias: torch.Tensor | None  # [num_decodes, 1, max_blocks * block_size] 0 / -inf
     prefills: list[PrefillSpan]
     prefill_tables: PrefillTables | None
     varlen: VarlenTables | None = None
 
 
 def build_metadata(
-    chunks: list[SequenceChunk], block_size: int, dtype: torch.dtype, device: torch.device
+    chunks: list[SequenceChunk], block_size: int, device: torch.device
 ) -> AttentionMetadata:
     """Metadata for ``chunks``, which must list every decode (num_new == 1, num_computed > 0)
     before any prefill chunk."""
@@ -99,7 +98,7 @@ def build_metadata(
     num_decodes = 0
     while num_decodes < len(chunks) and _is_decode(chunks[num_decodes]):
         num_decodes += 1
-    table, lengths, bias = _decode_tables(chunks[:num_decodes], block_size, dtype, device)
+    table, lengths = _decode_tables(chunks[:num_decodes], block_size, device)
     prefill_chunks = chunks[num_decodes:]
     return AttentionMetadata(
         slots=torch.tensor(slots, dtype=torch.long, device=device),
@@ -107,7 +106,6 @@ def build_metadata(
         num_decodes=num_decodes,
         decode_block_table=table,
         decode_context_lens=lengths,
-        decode_bias=bias,
         prefills=_prefill_spans(chunks, num_decodes, block_size, device),
         prefill_tables=_prefill_tables(prefill_chunks, block_size, device),
     )
@@ -118,12 +116,11 @@ def _is_decode(chunk: SequenceChunk) -> bool:
 
 
 def _decode_tables(
-    decodes: list[SequenceChunk], block_size: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Padded block tables (pad = the row's first block), context lengths, and an additive
-    mask that hides the padding from the torch kernel's batched matmul."""
+    decodes: list[SequenceChunk], block_size: int, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Padded block tables (pad = the row's first block) and context lengths."""
     if not decodes:
-        return None, None, None
+        return None, None
     context = [c.num_computed + 1 for c in decodes]
     max_blocks = -(-max(context) // block_size)
     table: list[int] = []
@@ -131,11 +128,8 @@ def _decode_tables(
         used = chunk.block_ids[: -(-ctx // block_size)]
         table.extend(used + [used[0]] * (max_blocks - len(used)))
     lengths = torch.tensor(context, dtype=torch.long, device=device)
-    key_positions = torch.arange(max_blocks * block_size, device=device).unsqueeze(0)
-    bias = torch.zeros(len(decodes), max_blocks * block_size, dtype=dtype, device=device)
-    bias.masked_fill_(key_positions >= lengths.unsqueeze(1), float("-inf"))
     block_table = torch.tensor(table, dtype=torch.long, device=device).view(len(decodes), -1)
-    return block_table, lengths, bias.unsqueeze(1)
+    return block_table, lengths
 
 
 def _prefill_spans(
@@ -223,7 +217,7 @@ def decode_attention_torch(
 
     ``query`` is ``[num_decodes, heads, head_dim]``; returns ``[num_decodes, heads * head_dim]``.
     """
-    assert meta.decode_block_table is not None and meta.decode_bias is not None
+    assert meta.decode_block_table is not None and meta.decode_context_lens is not None
     batch, heads, head_dim = query.shape
     keys, values = cache.gather(layer, meta.decode_block_table.view(-1))
     kv_heads = keys.shape[0]
@@ -235,7 +229,11 @@ def decode_attention_torch(
     values = values.view(kv_heads * batch, -1, head_dim)
     grouped = query.view(batch, kv_heads, group, head_dim).transpose(0, 1) * scale
     scores = torch.bmm(grouped.reshape(kv_heads * batch, group, head_dim), keys.transpose(1, 2))
-    scores.view(kv_heads, batch, group, -1).add_(meta.decode_bias)
+    # The padding past each row's context (its table's pad blocks, its last block's tail).
+    padding = (
+        torch.arange(scores.shape[-1], device=scores.device) >= meta.decode_context_lens[:, None]
+    )
+    scores.view(kv_heads, batch, group, -1).masked_fill_(padding[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
     out = torch.bmm(probs, values).view(kv_heads, batch, group, head_dim)
     return out.transpose(0, 1).reshape(batch, heads * head_dim)

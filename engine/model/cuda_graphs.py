@@ -103,7 +103,6 @@ class StepInputs:
             num_decodes=batch,
             decode_block_table=self.block_table[:batch],
             decode_context_lens=self.fields[_CONTEXT, :batch],
-            decode_bias=None,  # the Triton kernel masks by length
             prefills=[],
             prefill_tables=None,
         )

@@ -177,7 +177,6 @@ def _views(device: torch.Tensor, layout: _Layout, max_query_len: int) -> StagedS
         num_decodes=0,
         decode_block_table=None,
         decode_context_lens=None,
-        decode_bias=None,
         prefills=[],
         prefill_tables=None,
         varlen=tables,

@@ -55,7 +55,7 @@ def run_profile_forward(
     the logits of one row per chunk."""
     pool = KVPool(KVPoolLayout(kv_shape, scratch_blocks(chunks), block_size), model.device)
     cache = PagedKVCache(pool, model.dtype)
-    meta = build_metadata(chunks, block_size, model.dtype, model.device)
+    meta = build_metadata(chunks, block_size, model.device)
     tokens = sum(c.num_new for c in chunks)
     token_ids = torch.zeros(tokens, dtype=torch.long, device=model.device)
     hidden = model.forward(token_ids, meta, cache)

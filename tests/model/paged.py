@@ -45,7 +45,7 @@ def run_step(
         SequenceChunk(num_computed=c, num_new=len(t), block_ids=b)
         for t, c, b in zip(token_ids, computed, tables, strict=True)
     ]
-    meta = build_metadata(chunks, cache.block_size, model.dtype, model.device)
+    meta = build_metadata(chunks, cache.block_size, model.device)
     flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long)
     hidden = model.forward(flat, meta, cache)
     return model.logits(hidden)

@@ -80,7 +80,7 @@ def test_steps_it_cannot_serve_go_the_python_way(tiny_llama_factory):
     prefill = SequenceChunk(num_computed=0, num_new=3, block_ids=[2])
 
     def meta(chunks: list[SequenceChunk]):  # type: ignore[no-untyped-def]
-        return build_metadata(chunks, 4, torch.float32, torch.device("cpu"))
+        return build_metadata(chunks, 4, torch.device("cpu"))
 
     assert DecodeLayers.serves(meta([decode]), cache)
     assert DecodeLayers.serves(meta([decode] * MAX_ROWS), cache)

@@ -97,7 +97,7 @@ def test_positions_and_slots_equal_build_metadata(block_size):
     flat = [t for ids in new for t in ids]
     cpu = torch.device("cpu")
     step = StepMetadataBuilder(block_size, cpu).build(chunks, flat, [3, 17])
-    reference = build_metadata(chunks, block_size, torch.float32, cpu)
+    reference = build_metadata(chunks, block_size, cpu)
     assert step.token_ids.tolist() == flat
     assert step.meta.positions.tolist() == reference.positions.tolist()
     assert step.meta.slots.tolist() == reference.slots.tolist()

@@ -138,7 +138,7 @@ def test_write_and_decode_attention_match_torch(native, dtype, shape, block_size
         assert torch.equal(ours, theirs)  # the write is a copy: bit-identical
 
     chunks = [SequenceChunk(ctx - 1, 1, ids) for ctx, ids in zip(contexts, blocks, strict=True)]
-    meta = build_metadata(chunks, block_size, dtype, torch.device("cpu"))
+    meta = build_metadata(chunks, block_size, torch.device("cpu"))
     qkv = torch.randn(len(contexts), spec.q_size + 2 * spec.kv_size).to(dtype)
     for layer in range(spec.num_layers):
         expected = TorchKernels().decode_attention(torch_cache, layer, qkv, meta, spec, 0.125)
@@ -185,7 +185,7 @@ def test_decode_attention_with_scores_past_exps_range_matches_torch(native, shap
     for pool in cache.pool.tensors():
         pool.mul_(40.0)
     chunks = [SequenceChunk(ctx - 1, 1, ids) for ctx, ids in zip(contexts, blocks, strict=True)]
-    meta = build_metadata(chunks, 16, torch.float32, torch.device("cpu"))
+    meta = build_metadata(chunks, 16, torch.device("cpu"))
     width = spec.q_size + 2 * spec.kv_size
     qkv = torch.randn(len(contexts), width, generator=torch.Generator().manual_seed(7)) * 40.0
     expected = TorchKernels().decode_attention(cache, 0, qkv, meta, spec, 0.125)
@@ -217,7 +217,7 @@ def test_quantized_cache_decode_attention_matches_torch(native, kv_dtype):
     if kv_dtype in ("int8", "fp8"):
         assert cache.pool.key_scale is not None and cache.pool.key_scale[0].abs().sum() > 0
     chunks = [SequenceChunk(ctx - 1, 1, ids) for ctx, ids in zip(contexts, blocks, strict=True)]
-    meta = build_metadata(chunks, block_size, torch.float32, torch.device("cpu"))
+    meta = build_metadata(chunks, block_size, torch.device("cpu"))
     qkv = torch.randn(len(contexts), width)
     expected = TorchKernels().decode_attention(cache, 0, qkv, meta, spec, 0.125)
     actual = native.decode_attention(cache, 0, qkv, meta, spec, 0.125)
@@ -242,7 +242,7 @@ def test_prefill_attention_matches_torch(native, dtype, shape, block_size):
         SequenceChunk(cached, new, ids)
         for (cached, new), ids in zip(PREFILL_CHUNKS, blocks, strict=True)
     ]
-    meta = build_metadata(chunks, block_size, dtype, torch.device("cpu"))
+    meta = build_metadata(chunks, block_size, torch.device("cpu"))
     rows = sum(new for _, new in PREFILL_CHUNKS)
     qkv = torch.randn(rows, spec.q_size + 2 * spec.kv_size).to(dtype)
     for layer in range(spec.num_layers):
@@ -263,13 +263,13 @@ def test_bf16_prefill_over_many_key_tiles_matches_float32_math(native, shape):
     contexts = [cached + new for cached, new in spans]
     cache, blocks = fill_cache(native, spec, torch.bfloat16, 16, contexts)
     chunks = [SequenceChunk(c, n, ids) for (c, n), ids in zip(spans, blocks, strict=True)]
-    meta = build_metadata(chunks, 16, torch.bfloat16, torch.device("cpu"))
+    meta = build_metadata(chunks, 16, torch.device("cpu"))
     generator = torch.Generator().manual_seed(3)
     qkv = torch.randn(meta.slots.numel(), spec.q_size + 2 * spec.kv_size, generator=generator) * 4
     qkv = qkv.to(torch.bfloat16)
     native.write_kv(cache, 0, qkv, meta.slots, spec)
     exact = PagedKVCache(cache.pool, torch.float32)  # the same bf16 cache, float32 compute
-    exact_meta = build_metadata(chunks, 16, torch.float32, torch.device("cpu"))
+    exact_meta = build_metadata(chunks, 16, torch.device("cpu"))
     expected = TorchKernels().prefill_attention(exact, 0, qkv.float(), exact_meta, spec, 0.125)
     actual = native.prefill_attention(cache, 0, qkv, meta, spec, 0.125)
     assert actual.dtype == torch.bfloat16
@@ -297,7 +297,7 @@ def test_prefill_attention_reads_narrow_caches(native, kv_dtype):
         slots = [ids[p // block_size] * block_size + p % block_size for p in range(ctx)]
         TorchKernels().write_kv(cache, 0, torch.randn(ctx, width) * 3, torch.tensor(slots), spec)
     chunks = [SequenceChunk(c, n, ids) for (c, n), ids in zip(spans, blocks, strict=True)]
-    meta = build_metadata(chunks, block_size, torch.float32, torch.device("cpu"))
+    meta = build_metadata(chunks, block_size, torch.device("cpu"))
     qkv = torch.randn(sum(n for _, n in spans), width) * 3
     TorchKernels().write_kv(cache, 0, qkv, meta.slots, spec)
     expected = TorchKernels().prefill_attention(cache, 0, qkv, meta, spec, 0.125)
@@ -326,11 +326,11 @@ def test_bf16_prefill_reads_an_int8_cache(native, head_dim):
         rows = torch.randn(cached, width, generator=generator)
         TorchKernels().write_kv(cache, 0, rows.bfloat16(), torch.tensor(slots), spec)
     chunks = [SequenceChunk(c, n, ids) for (c, n), ids in zip(spans, blocks, strict=True)]
-    meta = build_metadata(chunks, block_size, torch.bfloat16, torch.device("cpu"))
+    meta = build_metadata(chunks, block_size, torch.device("cpu"))
     qkv = torch.randn(sum(n for _, n in spans), width, generator=generator).bfloat16()
     TorchKernels().write_kv(cache, 0, qkv, meta.slots, spec)  # the chunk's own K/V, first
     exact = PagedKVCache(pool, torch.float32)
-    exact_meta = build_metadata(chunks, block_size, torch.float32, torch.device("cpu"))
+    exact_meta = build_metadata(chunks, block_size, torch.device("cpu"))
     expected = TorchKernels().prefill_attention(exact, 0, qkv.float(), exact_meta, spec, 0.125)
     actual = native.prefill_attention(cache, 0, qkv, meta, spec, 0.125)
     torch.testing.assert_close(actual.float(), expected, atol=2e-2, rtol=2e-2)
@@ -358,7 +358,7 @@ def test_prefill_attention_after_decodes_uses_only_prefill_rows(native):
         SequenceChunk(4, 8, blocks[1]),
         SequenceChunk(0, 9, blocks[2]),
     ]
-    meta = build_metadata(chunks, 4, torch.float32, torch.device("cpu"))
+    meta = build_metadata(chunks, 4, torch.device("cpu"))
     qkv = torch.randn(18, spec.q_size + 2 * spec.kv_size)
     native.write_kv(cache, 1, qkv, meta.slots, spec)
     expected = TorchKernels().prefill_attention(cache, 1, qkv, meta, spec, 0.25)
@@ -373,7 +373,7 @@ def test_bad_slot_or_block_is_an_error_not_a_crash(native):
     qkv = torch.randn(1, spec.q_size + 2 * spec.kv_size)
     with pytest.raises(RuntimeError, match="slot out of range"):
         native.write_kv(cache, 0, qkv, torch.tensor([256 * 4]), spec)
-    meta = build_metadata([SequenceChunk(4, 1, [999, 1])], 4, torch.float32, torch.device("cpu"))
+    meta = build_metadata([SequenceChunk(4, 1, [999, 1])], 4, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="block id out of range"):
         native.decode_attention(cache, 0, qkv, meta, spec, 0.25)
 
