@@ -32,6 +32,7 @@ from engine.sampler import (
     SamplingRow,
     apply_truncation,
     gather_logprobs,
+    greedy_tokens,
     raw_logprobs,
 )
 
@@ -94,7 +95,7 @@ def _accept_and_replace(
     has_draft = draft_next >= 0
     safe_draft = draft_next.clamp(min=0).unsqueeze(1)
     greedy_rows = [r.params.greedy for r in rows]
-    argmax = logits.argmax(dim=-1)
+    argmax = greedy_tokens(logits)
     accept = has_draft & (argmax == draft_next)
     replacement = argmax
     if all(greedy_rows):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.request import SamplingParams
-from engine.sampler import Sampler, SamplingRow, apply_penalties
+from engine.sampler import Sampler, SamplingRow, apply_penalties, greedy_tokens
 
 VOCAB = 32
 
@@ -30,6 +30,21 @@ def test_greedy_rows_take_the_argmax_next_to_sampled_rows():
     rows = [row("a", temperature=0.0), row("b"), row("c", temperature=0.0), row("d", seed=1)]
     tokens = Sampler().sample(logits, rows).token_ids
     assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [VOCAB, 49152])  # SmolLM2's vocabulary: vectorised paths
+def test_greedy_tokens_are_argmax_ties_and_nans_included(dtype, width):
+    """The first index of a row's maximum, as argmax defines it: ties go to the lower
+    index, a NaN wins over every number, -inf rows pick index 0."""
+    logits = torch.randn(6, width, generator=torch.Generator().manual_seed(3)).to(dtype)
+    logits[1, [5, width - 3]] = 50.0  # a tie across the row
+    logits[2, [width - 9, width - 2]] = 50.0  # a tie in the tail
+    logits[3, width // 2] = float("nan")
+    logits[4] = float("-inf")
+    logits[5, [0, 1]] = 50.0
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    assert greedy_tokens(logits)[1] == 5 and greedy_tokens(logits)[3] == width // 2
 
 
 def test_same_seed_same_tokens_whatever_the_batch():
