@@ -40,11 +40,12 @@ def resolve_kv_dtype(kv_cache_dtype: str, serving_dtype: str, requested_dtype: s
 
     ``auto`` is the serving dtype, with one exception: where ``--dtype auto`` chose float32
     (a CPU without bf16 units computes faster in float32), the cache stays bfloat16. That
-    widening is for arithmetic speed, not precision; a float32 cache would double what every
-    token of every conversation costs (and the bytes a decode step reads), where the model
-    computes on bf16 keys and values on any bf16 machine and llama.cpp keeps a 16-bit cache
-    whatever its compute type. ``--kv-cache-dtype float32`` (or ``--dtype float32``, asked
-    for explicitly) keeps a float32 cache.
+    widening buys arithmetic speed, not precision, and a float32 cache would double what
+    every token of every conversation costs and the bytes each decode step reads. The same
+    model keeps bf16 keys and values on a machine with bf16 units, and llama.cpp keeps a
+    16-bit cache whatever it computes in. ``--kv-cache-dtype float32``, or ``--dtype
+    float32`` asked for by name, keeps a float32 cache. Raises ValueError for an unknown
+    dtype.
     """
     if kv_cache_dtype != "auto":
         if kv_cache_dtype not in KV_DTYPE_BYTES:
