@@ -14,7 +14,7 @@ Everything here is built once per step and shared by all layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -82,6 +82,20 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     prefill_tables: PrefillTables | None
     varlen: VarlenTables | None = None
+    _decode_padding: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def decode_padding(self, keys: int) -> torch.Tensor:
+        """``[num_decodes, keys]``, True past each decode's context (its table's pad blocks,
+        its last block's tail): the torch decode kernel's mask, built by the first layer
+        that asks and reused by the rest of the step (the native and Triton kernels stop
+        at each row's length and never ask)."""
+        assert self.decode_context_lens is not None
+        padding = self._decode_padding
+        if padding is None or padding.shape[-1] != keys:
+            positions = torch.arange(keys, device=self.decode_context_lens.device)
+            padding = positions >= self.decode_context_lens[:, None]
+            self._decode_padding = padding
+        return padding
 
 
 def build_metadata(
@@ -229,10 +243,7 @@ def decode_attention_torch(
     values = values.view(kv_heads * batch, -1, head_dim)
     grouped = query.view(batch, kv_heads, group, head_dim).transpose(0, 1) * scale
     scores = torch.bmm(grouped.reshape(kv_heads * batch, group, head_dim), keys.transpose(1, 2))
-    # The padding past each row's context (its table's pad blocks, its last block's tail).
-    padding = (
-        torch.arange(scores.shape[-1], device=scores.device) >= meta.decode_context_lens[:, None]
-    )
+    padding = meta.decode_padding(scores.shape[-1])
     scores.view(kv_heads, batch, group, -1).masked_fill_(padding[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
     out = torch.bmm(probs, values).view(kv_heads, batch, group, head_dim)

@@ -305,7 +305,6 @@ void pick_partition_width(PartitionKernels<cache_t>& k, int64_t group, int64_t h
     case 8: pick_scores<W, cache_t, 8>(k, group); pick_values<W, cache_t, 8>(k, group); break;
     default: break;  // the per-token loops
   }
-  if (k.scores == nullptr || k.values == nullptr) k = PartitionKernels<cache_t>{};
 }
 #endif
 
