@@ -163,6 +163,22 @@ struct Zmm {
 };
 #endif
 
+// The whole-partition loops ask for the rows this many tokens ahead while they compute
+// the current ones: a partition's rows are scattered over blocks of the pool, so the
+// hardware prefetcher restarts at every block, and asking for a whole partition up front
+// stalls on the line-fill buffers before any arithmetic starts.
+constexpr int64_t kRowsAhead = 32;
+
+// Asks for `bytes` from each of rows[from, min(to, n)) into L1.
+template <typename cache_t>
+inline void prefetch_rows(const cache_t* const* rows, int64_t from, int64_t to, int64_t n,
+                          int64_t offset, int64_t bytes) {
+  for (int64_t t = from; t < std::min(to, n); ++t) {
+    const char* p = reinterpret_cast<const char*>(rows[t] + offset);
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at, 0, 3);
+  }
+}
+
 #ifdef KVSERVE_AVX2
 // scores[g * stride + t] = q[g] . rows[t] for t < n: four tokens at a time, each vector of
 // the G query heads loaded once for the four keys (the query stays in registers while keys
@@ -173,8 +189,11 @@ void partition_scores(const float* q, const cache_t* const* rows, int64_t n, flo
                       int64_t stride) {
   using V = typename W::V;
   constexpr int64_t kDim = W::kLanes * NC;
+  constexpr int64_t kRowBytes = kDim * sizeof(cache_t);
+  prefetch_rows(rows, 0, kRowsAhead, n, 0, kRowBytes);
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
+    prefetch_rows(rows, t + kRowsAhead, t + kRowsAhead + 4, n, 0, kRowBytes);
     V acc[G][4];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < 4; ++j) acc[g][j] = W::zero();
@@ -212,7 +231,10 @@ void partition_values(float* out, const float* p, int64_t stride, const cache_t*
   V acc[G][NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) acc[g][c] = W::zero();
+  constexpr int64_t kSliceBytes = W::kLanes * NC * sizeof(cache_t);
+  prefetch_rows(rows, 0, kRowsAhead, n, column, kSliceBytes);
   for (int64_t t = 0; t < n; ++t) {
+    prefetch_rows(rows, t + kRowsAhead, t + kRowsAhead + 1, n, column, kSliceBytes);
     V weight[G];
     for (int g = 0; g < G; ++g) weight[g] = W::set1(p[g * stride + t]);
     for (int c = 0; c < NC; ++c) {
@@ -439,8 +461,8 @@ struct PartialView {
 };
 
 // attend_range on the whole-partition kernels: the partition's key and value rows listed
-// once (their blocks prefetched as they are listed), scores for every query head, softmax
-// statistics, then the weighted values.
+// once, scores for every query head, softmax statistics, then the weighted values (the
+// kernels ask for their rows a little ahead as they go).
 template <typename cache_t>
 void attend_partition(const float* q, const cache_t* k_head, const cache_t* v_head,
                       const float* k_scales, const float* v_scales, const int64_t* blocks,
@@ -451,13 +473,12 @@ void attend_partition(const float* q, const cache_t* k_head, const cache_t* v_he
   const cache_t* keys[kPartitionTokens];
   const cache_t* values[kPartitionTokens];
   int64_t slots[kPartitionTokens];
-  for_each_cached_token(k_head, blocks, begin, end, block_size, head_dim,
-                        [&](const cache_t* row, int64_t t, int64_t slot) {
-                          keys[t - begin] = row;
-                          slots[t - begin] = slot;
-                        });
-  for_each_cached_token(v_head, blocks, begin, end, block_size, head_dim,
-                        [&](const cache_t* row, int64_t t, int64_t) { values[t - begin] = row; });
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t slot = blocks[t / block_size] * block_size + t % block_size;
+    keys[t - begin] = k_head + slot * head_dim;
+    values[t - begin] = v_head + slot * head_dim;
+    slots[t - begin] = slot;
+  }
   for (int64_t g = 0; g < group; g += whole.score_heads) {
     whole.scores(q + g * head_dim, keys, tokens, scores + g * tokens, tokens);
   }
