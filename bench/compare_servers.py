@@ -326,6 +326,7 @@ def loadtest(
         "--no-progress",
     ]
     print("$", " ".join(command), flush=True)
+    bandwidth_before = read_bandwidth(args)
     before = os.getloadavg()[0]
     subprocess.run(command, check=False, cwd=REPO)
     # Other jobs on a shared machine skew the figures: keep the load next to them.
@@ -336,8 +337,31 @@ def loadtest(
         "load_after": os.getloadavg()[0],
         "command": command,
     }
+    if bandwidth_before is not None:
+        record["read_bandwidth_before"] = bandwidth_before
+        record["read_bandwidth_after"] = read_bandwidth(args)
     with (out / "runs.jsonl").open("a") as runs:
         runs.write(json.dumps(record) + "\n")
+
+
+def read_bandwidth(args: argparse.Namespace) -> float | None:
+    """The machine's read bandwidth (bytes/s) right now, as bench/decode_floor.py measures
+    it, in a child process with the bench's threads; None without --read-bandwidth. The
+    servers are paused or idle meanwhile: a single-stream latency is then held against the
+    bandwidth of the same minute (bench/floor_report.py), not of a run minutes away on a VM
+    whose bandwidth drifts."""
+    if not args.read_bandwidth:
+        return None
+    code = "from bench.bench_kernels import read_bandwidth; print(read_bandwidth(9))"
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(args.threads)},
+    )
+    return float(result.stdout.split()[-1])
 
 
 def warm_up(url: str, out: Path, name: str) -> None:
@@ -550,6 +574,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="ROUNDS",
         help="start every server at once and run ROUNDS rounds, servers alternating "
         "(0: one server at a time, as before)",
+    )
+    parser.add_argument(
+        "--read-bandwidth",
+        action="store_true",
+        help="measure the read bandwidth just before and after every load-test run "
+        "(runs.jsonl; bench/floor_report.py holds each latency against it)",
     )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     return parser.parse_args(argv)
