@@ -110,6 +110,15 @@ class Blocks {
     }
   }
   int64_t count() const { return (outs_ + kBlockRows - 1) / kBlockRows; }
+  // Groups of 32 input columns (each block holds `groups` x 256 code bytes, x 32 params).
+  int64_t groups() const { return groups_; }
+  // Whether block b is the padded copy of the tail (held apart from the full blocks).
+  bool padded(int64_t b) const { return b == full_; }
+  // Just past the full blocks among [0, end): where a stream through them stops.
+  BlockView stream_end(int64_t end) const {
+    const int64_t b = std::min(end, full_);
+    return {codes_ + b * groups_ * kBlockGroupBytes, params_ + b * groups_ * kBlockGroupParams};
+  }
   // Output rows block b holds.
   int64_t rows(int64_t b) const { return std::min(kBlockRows, outs_ - b * kBlockRows); }
   BlockView operator[](int64_t b) const {
@@ -267,7 +276,16 @@ void for_each_block(const Blocks& blocks, int64_t rows, int64_t outs, scalar_t* 
                     const Dots& dots) {
   at::parallel_for(0, blocks.count(), 1, [&](int64_t begin, int64_t end) {
     float results[kRowBlock * kBlockRows];
+    // The codes and the params are two streams through this thread's blocks: each is asked
+    // for kPrefetchBytes ahead (common.h), no further than the thread's last full block.
+    const BlockView stop = blocks.stream_end(end);
+    const int64_t code_bytes = blocks.groups() * kBlockGroupBytes;
+    const int64_t param_bytes = blocks.groups() * kBlockGroupParams * sizeof(at::Half);
     for (int64_t b = begin; b < end; ++b) {
+      if (!blocks.padded(b)) {
+        prefetch_ahead(blocks[b].codes, code_bytes, stop.codes);
+        prefetch_ahead(blocks[b].params, param_bytes, stop.params);
+      }
       const int64_t n0 = b * kBlockRows, count = blocks.rows(b);
       for (int64_t r = 0; r < rows; r += kRowBlock) {
         const int64_t take = std::min(kRowBlock, rows - r);
