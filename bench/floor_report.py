@@ -16,15 +16,27 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from bench.decode_floor import decode_bytes
 
 FORMATS = {"kvserve": "none", "kvserve-int8": "int8", "kvserve-int4": "int4"}
 
 
-def run_rows(out: Path, concurrency: int) -> list[tuple[str, str, float, float, float]]:
-    """(round, server, ITL p50 s, bandwidth before, after) of every measured kvserve run."""
+class Run(NamedTuple):
+    """One kvserve load-test run and the bandwidth read around it (bytes/s)."""
+
+    round_name: str
+    server: str
+    itl_p50_s: float
+    bandwidth_before: float
+    bandwidth_after: float
+
+
+def run_rows(out: Path, concurrency: int) -> list[Run]:
+    """Every kvserve run measured with --read-bandwidth, in round order."""
     rows = []
     for runs in sorted(out.glob("round*/runs.jsonl"), key=lambda p: int(p.parent.name[5:])):
         for line in runs.read_text().splitlines():
@@ -36,12 +48,12 @@ def run_rows(out: Path, concurrency: int) -> list[tuple[str, str, float, float, 
             result = runs.parent / f"{run['server']}-c{concurrency}.json"
             itl = json.loads(result.read_text())["summary"]["latency_s"]["itl"]["p50"]
             before, after = run["read_bandwidth_before"], run["read_bandwidth_after"]
-            rows.append((runs.parent.name, run["server"], itl, before, after))
+            rows.append(Run(runs.parent.name, run["server"], itl, before, after))
     return rows
 
 
-def report(rows: list[tuple[str, str, float, float, float]], sizes: dict[str, int]) -> str:
-    """The run-by-run table, then per server the median and worst ITL / floor (Markdown)."""
+def report(rows: Sequence[tuple[str, str, float, float, float]], sizes: dict[str, int]) -> str:
+    """The table of ``Run``s, then per server the median and worst ITL / floor (Markdown)."""
     ratios: dict[str, list[float]] = {server: [] for server in sizes}
     lines = [
         "| round | server | ITL p50 | bandwidth before / after | floor | ITL / floor |",

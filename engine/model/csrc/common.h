@@ -180,12 +180,17 @@ void with_cache_type(at::ScalarType dtype, F&& f) {
 // (4-16 KiB alike). The bf16 kernel measured no gain from it and does without.
 constexpr int64_t kPrefetchBytes = 8192;
 
+// Asks for the cache lines of [start, start + bytes) into every cache level.
+inline void prefetch_lines(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 3);
+}
+
 // Asks for the cache lines of [start + kPrefetchBytes, + bytes) that lie before `stop` (the
 // end of what this thread reads), into every cache level.
 inline void prefetch_ahead(const void* start, int64_t bytes, const void* stop) {
   const char* p = static_cast<const char*>(start) + kPrefetchBytes;
-  const char* end = std::min(p + bytes, static_cast<const char*>(stop));
-  for (; p < end; p += 64) __builtin_prefetch(p, 0, 3);
+  prefetch_lines(p, std::min<int64_t>(bytes, static_cast<const char*>(stop) - p));
 }
 
 // The few-row GEMVs' outer loop (int8, int8 integer, bf16): each thread walks a

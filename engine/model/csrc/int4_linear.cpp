@@ -282,14 +282,15 @@ void for_each_block(const Blocks& blocks, int64_t rows, int64_t outs, scalar_t* 
     const int64_t code_bytes = blocks.groups() * kBlockGroupBytes;
     const int64_t param_bytes = blocks.groups() * kBlockGroupParams * sizeof(at::Half);
     for (int64_t b = begin; b < end; ++b) {
+      const BlockView block = blocks[b];
       if (!blocks.padded(b)) {
-        prefetch_ahead(blocks[b].codes, code_bytes, stop.codes);
-        prefetch_ahead(blocks[b].params, param_bytes, stop.params);
+        prefetch_ahead(block.codes, code_bytes, stop.codes);
+        prefetch_ahead(block.params, param_bytes, stop.params);
       }
       const int64_t n0 = b * kBlockRows, count = blocks.rows(b);
       for (int64_t r = 0; r < rows; r += kRowBlock) {
         const int64_t take = std::min(kRowBlock, rows - r);
-        dots(r, take, blocks[b], results);
+        dots(r, take, block, results);
         for (int64_t i = 0; i < take; ++i) {
           for (int64_t n = 0; n < count; ++n) out[(r + i) * outs + n0 + n] = results[i * kBlockRows + n];
         }

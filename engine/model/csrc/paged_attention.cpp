@@ -169,17 +169,14 @@ struct Zmm {
 // stalls on the line-fill buffers before any arithmetic starts.
 constexpr int64_t kRowsAhead = 32;
 
-// Asks for `bytes` from each of rows[from, min(to, n)) into L1.
+#ifdef KVSERVE_AVX2
+// Asks for `bytes` from column `offset` of each of rows[from, min(to, n)).
 template <typename cache_t>
 inline void prefetch_rows(const cache_t* const* rows, int64_t from, int64_t to, int64_t n,
                           int64_t offset, int64_t bytes) {
-  for (int64_t t = from; t < std::min(to, n); ++t) {
-    const char* p = reinterpret_cast<const char*>(rows[t] + offset);
-    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at, 0, 3);
-  }
+  for (int64_t t = from; t < std::min(to, n); ++t) prefetch_lines(rows[t] + offset, bytes);
 }
 
-#ifdef KVSERVE_AVX2
 // scores[g * stride + t] = q[g] . rows[t] for t < n: four tokens at a time, each vector of
 // the G query heads loaded once for the four keys (the query stays in registers while keys
 // stream: about half a load per FMA), then one sum4 per query head. Every score sums its
