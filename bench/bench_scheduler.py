@@ -10,6 +10,11 @@ is built outside the timed region, so the figure is the scheduler's own overhead
 ones take every sequence slot) behind the running ones, with a queue timeout checked every step
 and a bounded queued-token sum, and reports the per-step cost at each queue length: it
 must not grow with the queue.
+
+``--sliding-window W --pattern 5:1`` gives the model KV groups (engine/kv/groups.py): a
+Gemma-3-shaped 6-layer stack of 5 sliding-window layers per full one, so every request
+holds 6 block tables (5 sliding groups in lock step and the full one). The prompts are
+several windows long, so the sliding groups release blocks as the requests decode.
 """
 
 from __future__ import annotations
@@ -22,12 +27,22 @@ from collections.abc import Callable
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core import EngineCore
 from engine.kv.accounting import KVShape
+from engine.kv.groups import plan_kv_groups
 from engine.outputs import RunnerOutput
 from engine.request import Request, SamplingParams
 from engine.scheduler import Scheduler
 
 # SmolLM2-135M's attention shape; only used for the byte figures in stats.
 SHAPE = KVShape(num_layers=30, num_kv_heads=3, head_dim=64, kv_dtype="bfloat16")
+
+
+def kv_shape(args: argparse.Namespace) -> KVShape:
+    """SmolLM2-135M's shape, or a hybrid stack of ``--pattern`` sliding:full layers."""
+    if not args.sliding_window:
+        return SHAPE
+    sliding, full = (int(n) for n in args.pattern.split(":"))
+    windows = [args.sliding_window] * sliding + [None] * full
+    return KVShape(len(windows), 3, 64, "bfloat16", plan_kv_groups(windows))
 
 
 def build_scheduler(args: argparse.Namespace, waiting: int = 0) -> Scheduler:
@@ -44,7 +59,13 @@ def build_scheduler(args: argparse.Namespace, waiting: int = 0) -> Scheduler:
         max_num_batched_tokens=args.requests * args.prompt_len,
         max_queued_tokens=10**12 if waiting else 0,  # a bound, so add() keeps the sum
     )
-    scheduler = Scheduler(config, cache, SHAPE)
+    shape = kv_shape(args)
+    cache = CacheConfig(
+        num_device_blocks=cache.num_device_blocks * len(shape.kv_groups),
+        block_size=cache.block_size,
+        enable_prefix_caching=cache.enable_prefix_caching,
+    )
+    scheduler = Scheduler(config, cache, shape)
     params = SamplingParams(max_tokens=args.steps + 8, ignore_eos=True)
     for index in range(args.requests):
         prompt = [(index * 7919 + pos) % 32000 for pos in range(args.prompt_len)]
@@ -98,6 +119,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--sliding-window", type=int, default=0, help="0: one full group")
+    parser.add_argument("--pattern", default="5:1", help="sliding:full layers (with a window)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--waiting",
@@ -122,7 +145,9 @@ def main() -> None:
         p99s.append(samples[int(0.99 * (len(samples) - 1))])
         means.append(statistics.fmean(samples))
     caching = "off" if args.no_prefix_caching else "on"
+    groups = kv_shape(args).kv_groups
     print(
+        f"groups={len(groups)} ({', '.join(g.label for g in groups)}) "
         f"requests={args.requests} block_size={args.block_size} prefix_caching={caching} "
         f"steps={args.steps} repeats={args.repeats} "
         f"clock={'process_time' if args.cpu_time else 'perf_counter'}"

@@ -66,7 +66,7 @@ def main() -> None:
             request_id="bench",
             token_ids=tokens,
             num_computed_tokens=0,
-            block_ids=table,
+            block_tables=[table],
             sample=False,
             sampling_params=SamplingParams(),
             prompt_token_ids=tokens,

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 
 from engine.request import FinishReason, SamplingParams
 
+# A block-table entry that holds no block: a sliding-window group's blocks wholly before
+# its window (released). Kernels never read a block before a layer's window.
+NULL_BLOCK = -1
+
 
 @dataclass
 class ScheduledRequest:
@@ -19,7 +23,8 @@ class ScheduledRequest:
 
     The runner computes K/V for ``token_ids`` at positions
     ``[num_computed_tokens, num_computed_tokens + len(token_ids))`` into the slots given by
-    ``block_ids`` (the request's whole block table, shared by reference: read-only), and
+    ``block_tables`` (the request's whole block table per KV group, shared by reference:
+    read-only; a sliding group's table holds ``NULL_BLOCK`` before its window), and
     samples one token from the last position when ``sample`` is true (the step completes
     the prompt or is a decode step). ``output_token_ids`` and ``prompt_token_ids`` are
     references for penalties; the runner must not mutate them.
@@ -32,13 +37,18 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]
     num_computed_tokens: int
-    block_ids: list[int]
+    block_tables: list[list[int]]
     sample: bool
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     seed: int | None = None
     num_draft_tokens: int = 0
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The first group's table: every layer's, for a model of one KV group."""
+        return self.block_tables[0]
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -192,6 +202,22 @@ class PoolStats:
 
 
 @dataclass(frozen=True)
+class GroupStats:
+    """One KV group of a hybrid model (engine/kv/groups.py): its device blocks and bytes.
+    ``payload_bytes`` counts only what the group's attention still reads (a sliding group:
+    at most its window per sequence); ``allocated_bytes`` its used blocks' share of the
+    pool (a block is a page of ``page_layers`` layers, whatever the group's own count)."""
+
+    label: str  # "full" | "sliding_<W>"
+    window: int | None
+    num_layers: int
+    used_blocks: int
+    cached_blocks: int
+    payload_bytes: int
+    allocated_bytes: int
+
+
+@dataclass(frozen=True)
 class TierStats:
     """One prefix-cache tier below the device pool. Hits and misses count blocks looked
     up at admission; bytes count blocks moved into (stored) and out of (loaded) the tier."""
@@ -249,6 +275,9 @@ class EngineStats:
     tiers: tuple[TierStats, ...] = ()
     # Requests whose prefix is being loaded back from a tier (not computing).
     num_loading: int = 0
+    # Per KV group, for a hybrid model (more than one group, or a sliding one); empty
+    # otherwise (the pool totals above are the one group's).
+    groups: tuple[GroupStats, ...] = ()
 
     @property
     def usage_ratio(self) -> float:

@@ -40,7 +40,7 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.errors import RequestRejected
 from engine.kv.accounting import KVShape, blocks_for_tokens
 from engine.kv.budget import check_can_ever_run, child_blocks, final_blocks
-from engine.kv.manager import KVCacheManager
+from engine.kv.manager import KVCacheManager, PrefixHit
 from engine.kv.stats import QueueSizes, StatsCounters, snapshot
 from engine.outputs import (
     EngineStats,
@@ -98,7 +98,7 @@ class Scheduler:
         self.cache_config = cache_config
         self.kv_shape = kv_shape
         self.block_size = cache_config.block_size
-        self.kv = KVCacheManager(cache_config)
+        self.kv = KVCacheManager(cache_config, kv_shape.groups)
         # Cached blocks this close to the head of the free queue are copied to the host
         # tier ahead of their eviction: what WRITE_AHEAD_STEPS steps allocate at most,
         # short of tier loads (a token budget plus a new block per running sequence each).
@@ -111,9 +111,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         # Admitted with a prefix to load back from a tier (engine/kv/tiers.py): not
-        # computing this step; finish_loads() moves them to running. Request id -> blocks.
+        # computing this step; finish_loads() moves them to running. Request id -> its hit.
         self.loading: list[Request] = []
-        self._loads: dict[str, int] = {}
+        self._loads: dict[str, PrefixHit] = {}
         self._requests: dict[str, Request] = {}  # every live request, by id
         self._groups: dict[str, list[Request]] = {}  # group id -> live members
         self._unforked: dict[str, list[Request]] = {}  # group id -> children not yet forked
@@ -140,7 +140,7 @@ class Scheduler:
         group = sorted(requests, key=lambda r: r.index)
         self._validate_group(group)
         parent = group[0]
-        check_can_ever_run(parent, len(group), self.config, self.cache_config)
+        check_can_ever_run(parent, len(group), self.config, self.cache_config, self.kv.groups)
         self._check_queue_room(parent)
         for request in group:
             request.status = RequestStatus.WAITING
@@ -221,7 +221,11 @@ class Scheduler:
         waiting queue to be recomputed (their device blocks were freed by the swap-out).
         Call before ``update()``. Returns their request ids."""
         lost = {host for _, host in pairs}
-        victims = [r for r in self.swapped if lost.intersection(self.kv.host_tables[r.request_id])]
+        victims = [
+            r
+            for r in self.swapped
+            if any(lost.intersection(table) for table in self.kv.host_tables[r.request_id])
+        ]
         for request in victims:
             self.swapped.remove(request)
             self.kv.free(request)
@@ -471,9 +475,7 @@ class Scheduler:
         num_new = step.chunk(request.num_tokens - request.num_computed_tokens)
         if num_new == 0:
             return False
-        held = len(self.kv.host_tables[request.request_id])
-        total = request.num_computed_tokens + num_new
-        need = max(held, blocks_for_tokens(total, self.block_size))
+        need = self.kv.swap_in_blocks(request, num_new)
         if need > self.kv.device.num_free - self.cache_config.watermark_blocks:
             return False
         self.swapped.remove(request)
@@ -498,21 +500,21 @@ class Scheduler:
             return None
         # A request scoring its prompt must compute every position it scores.
         if request.sampling_params.prompt_logprobs is not None:
-            hits: list[int] = []
+            hit = PrefixHit.none(self.kv.num_groups)
         else:
-            hits = self.kv.find_cached_prefix(request)
-            if self._start_tier_load(step, request, hits, group_size):
+            hit = self.kv.find_cached_prefix(request)
+            if self._start_tier_load(step, request, hit, group_size):
                 return True
-        num_hit = len(hits) * self.block_size
+        num_hit = hit.num_blocks * self.block_size
         num_new = step.chunk(request.num_tokens - num_hit)
         if num_new == 0:
             return False
         reserve = self._admission_reserve(step, request, num_hit + num_new, group_size)
-        if self.kv.allocate_slots(request, num_new, hits, reserve) is None:
+        if self.kv.allocate_slots(request, num_new, hit, reserve) is None:
             return False
         self._remove_waiting(request)
         self._on_admitted(request, num_hit)
-        self.kv.count_tier_lookup(request, len(hits))
+        self.kv.count_tier_lookup(request, hit.num_blocks)
         request.num_bypasses = 0
         self.running.append(request)
         self._add_to_step(step, request, num_new)
@@ -521,46 +523,52 @@ class Scheduler:
         return True
 
     def _start_tier_load(
-        self, step: _Step, request: Request, hits: list[int], group_size: int
+        self, step: _Step, request: Request, device_hit: PrefixHit, group_size: int
     ) -> bool:
         """Admit the head of the queue into LOADING when a lower tier holds the blocks
         after its device hit: they are loaded back this step instead of recomputed, and
         the request computes the rest from the next step on. False: admit it as usual."""
-        found = self.kv.find_tier_prefix(request, len(hits))
-        if not found:
+        hit = self.kv.find_tier_prefix(request, device_hit)
+        if hit is None:
             return False
-        covered = (len(hits) + len(found)) * self.block_size
+        covered = hit.num_blocks * self.block_size
         reserve = self._admission_reserve(step, request, covered, group_size)
-        if not self.kv.start_load(request, hits, found, reserve):
+        if not self.kv.start_load(request, hit, reserve):
             return False
-        self.kv.count_tier_lookup(request, len(hits))
+        self.kv.count_tier_lookup(request, device_hit.num_blocks)
         self._remove_waiting(request)
         request.num_bypasses = 0
         self._on_admitted(request, covered)
-        request.num_computed_tokens = len(hits) * self.block_size
+        request.num_computed_tokens = 0  # computed once the loads arrived (finish_loads)
         request.status = RequestStatus.LOADING
         self.loading.append(request)
-        self._loads[request.request_id] = len(found)
+        self._loads[request.request_id] = hit
         if step.outstanding is not None:
             step.outstanding += self._still_needed(request)
         return True
 
     def finish_loads(self, loaded: dict[str, int]) -> None:
         """The runner applied this step's tier ops: ``loaded`` maps a loading request to
-        how many of its planned blocks (leading) arrived intact. Those count as computed
-        and enter the device prefix cache; the rest is recomputed. Call after every step
-        that had tier ops (an empty dict when nothing could be loaded)."""
+        how many of its planned blocks (leading) arrived intact. The prefix its blocks then
+        serve counts as computed and enters the device prefix cache; the rest is
+        recomputed. Call after every step that had tier ops (an empty dict when nothing
+        could be loaded)."""
         for request in self.loading:
-            planned = self._loads.pop(request.request_id)
-            arrived = max(0, min(loaded.get(request.request_id, 0), planned))
-            request.num_computed_tokens += arrived * self.block_size
-            missed = (planned - arrived) * self.block_size
+            hit = self._loads.pop(request.request_id)
+            intact = loaded.get(request.request_id, 0)
+            served = self.kv.finish_load(request, intact, hit)
+            request.num_computed_tokens = served * self.block_size
+            missed = (hit.num_blocks - served) * self.block_size
             if missed:
                 request.num_cached_tokens = min(
                     request.num_cached_tokens, request.num_computed_tokens
                 )
                 if self.kv.enable_caching:
                     self._counters.prefix_hits -= missed
+            if request.request_id not in self.kv.tables:  # it had to give its blocks back
+                request.status = RequestStatus.WAITING
+                self._enqueue_waiting(request, front=True)
+                continue
             self.kv.cache_computed_blocks(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -576,10 +584,10 @@ class Scheduler:
         still need, so nothing ever has to be preempted.
         """
         reserve = self.cache_config.watermark_blocks
-        block_size = self.block_size
-        already = blocks_for_tokens(covered, block_size)
+        blocks_for = self.kv.blocks_for_tokens
+        already = blocks_for(covered)
         if self.config.admission_policy != "reserve":
-            return reserve + blocks_for_tokens(request.num_tokens, block_size) - already
+            return reserve + blocks_for(request.num_tokens) - already
         own = self._final_blocks(request) - already
         children = (group_size - 1) * self._child_blocks(request)
         if step.outstanding is None:
@@ -601,14 +609,21 @@ class Scheduler:
         total = max(0, self._final_blocks(request) - held)
         total += len(self._unforked.get(request.group_id, ())) * self._child_blocks(request)
         if request.index > 0 and request.num_computed_tokens < request.num_prompt_tokens:
-            total += 1  # a fresh fork still has to copy its shared last block
+            total += self.kv.num_groups  # a fresh fork still copies its shared last blocks
         return total
 
     def _final_blocks(self, request: Request) -> int:
-        return final_blocks(request, self.block_size, self.config.max_model_len)
+        config = self.config
+        return final_blocks(
+            request,
+            self.block_size,
+            config.max_model_len,
+            self.kv.groups,
+            min(request.num_prompt_tokens, config.max_num_batched_tokens),
+        )
 
     def _child_blocks(self, parent: Request) -> int:
-        return child_blocks(parent, self.block_size, self.config.max_model_len)
+        return child_blocks(parent, self.block_size, self.config.max_model_len, self.kv.groups)
 
     def _on_admitted(self, request: Request, num_hit: int) -> None:
         """Counters of an admission. Every admission is a prefix-cache lookup (a recomputed
@@ -636,7 +651,7 @@ class Scheduler:
             request_id=request.request_id,
             token_ids=token_ids,
             num_computed_tokens=start,
-            block_ids=self.kv.tables[request.request_id],
+            block_tables=self.kv.tables[request.request_id],
             sample=end == len(request.all_token_ids) and not request.sampling_params.prefill_only,
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
@@ -849,8 +864,20 @@ class Scheduler:
             swapped=len(self.swapped),
             live_tokens=sum(r.num_computed_tokens for r in self.running),
             loading=len(self.loading),
+            retained_tokens=self._retained_tokens(),
         )
         return snapshot(self.kv, self.kv_shape, self._counters, queues)
+
+    def _retained_tokens(self) -> tuple[int, ...]:
+        """Per KV group, the running requests' tokens its attention still reads (a sliding
+        group counts at most its window per request)."""
+        computed = [r.num_computed_tokens for r in self.running]
+        by_window: dict[int | None, int] = {None: sum(computed)}
+        for group in self.kv.groups:
+            window = group.window
+            if window is not None and window not in by_window:
+                by_window[window] = sum(min(tokens, window) for tokens in computed)
+        return tuple(by_window[group.window] for group in self.kv.groups)
 
 
 def _add_prompt_logprobs(request: Request, chunks: list[PromptLogprobChunk]) -> None:

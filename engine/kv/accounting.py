@@ -11,12 +11,21 @@ one float32 scale per token, head and K/V, which is counted here too. Stored in 
 ``S`` tokens, a sequence occupies ``ceil(t / S)`` blocks and wastes the rest of the last
 one as padding.
 
+Models that mix sliding-window and full-attention layers keep their layers in KV groups
+(engine/kv/groups.py): one pool of equal pages, a page holding one block for
+``page_layers`` layers, and a block table per group. A full group of ``L_g`` layers costs
+``2 * L_g * H_kv * d * t * b`` per sequence; a sliding group of window ``W`` only
+``2 * L_g * H_kv * d * min(t, W) * b`` of payload, in at most ceil((W - 1) / S) + 1 blocks.
+A model with one kind of layer is one group, and every figure is the formula above.
+
 Pure Python: no torch, no model config objects, just numbers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from engine.kv.groups import KVGroup, check_partition, page_layers
 
 GIB = 1024**3
 MIB = 1024**2
@@ -61,12 +70,14 @@ def resolve_kv_dtype(kv_cache_dtype: str, serving_dtype: str, requested_dtype: s
 
 @dataclass(frozen=True)
 class KVShape:
-    """What one token costs in the cache: the model's attention shape and the KV dtype."""
+    """What one token costs in the cache: the model's attention shape, the KV dtype and the
+    KV groups its layers form (empty: one full-attention group of every layer)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     kv_dtype: str = "bfloat16"
+    groups: tuple[KVGroup, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in KV_DTYPE_BYTES:
@@ -76,6 +87,24 @@ class KVShape:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.groups:
+            check_partition(self.groups, self.num_layers)
+
+    @property
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        """The groups, one full-attention group of every layer when none were given."""
+        return self.groups or (KVGroup(tuple(range(self.num_layers))),)
+
+    @property
+    def page_layers(self) -> int:
+        """Layers one block (page) of the pool holds: all of them for a single group."""
+        return page_layers(self.groups) if self.groups else self.num_layers
+
+    @property
+    def is_hybrid(self) -> bool:
+        """More than one group, or a sliding one: blocks are kept per group."""
+        groups = self.kv_groups
+        return len(groups) > 1 or groups[0].window is not None
 
     @property
     def element_bytes(self) -> int:
@@ -86,17 +115,39 @@ class KVShape:
         return self.kv_dtype in QUANTIZED_KV_DTYPES
 
 
-def bytes_per_token(shape: KVShape) -> int:
-    """K and V of one token across all layers and KV heads, including quantization scales."""
+def layer_token_bytes(shape: KVShape) -> int:
+    """K and V of one token in one layer (all KV heads), including quantization scales."""
     per_head = shape.head_dim * shape.element_bytes
     if shape.is_quantized:
         per_head += SCALE_BYTES
-    return 2 * shape.num_layers * shape.num_kv_heads * per_head
+    return 2 * shape.num_kv_heads * per_head
+
+
+def bytes_per_token(shape: KVShape) -> int:
+    """K and V of one token across all layers and KV heads, including quantization scales:
+    what a token costs while every layer keeps it."""
+    return shape.num_layers * layer_token_bytes(shape)
 
 
 def payload_bytes(shape: KVShape, num_tokens: int) -> int:
-    """Logical KV payload of ``num_tokens`` retained tokens: 2*L*H_kv*d*t*b (+ scales)."""
-    return bytes_per_token(shape) * num_tokens
+    """Logical KV payload of one sequence of ``num_tokens`` tokens: 2*L*H_kv*d*t*b (+
+    scales), where a sliding group counts only the tokens its window still reads."""
+    per_layer = layer_token_bytes(shape)
+    return sum(
+        len(group.layers) * per_layer * group.retained_tokens(num_tokens)
+        for group in shape.kv_groups
+    )
+
+
+def group_payload_bytes(shape: KVShape, group: KVGroup, retained_tokens: int) -> int:
+    """Payload of ``retained_tokens`` tokens (summed over sequences) in one group."""
+    return len(group.layers) * layer_token_bytes(shape) * retained_tokens
+
+
+def blocks_per_sequence(shape: KVShape, num_tokens: int, block_size: int) -> int:
+    """Blocks (pages) one sequence holds at most while it grows to ``num_tokens``, summed
+    over groups: ceil(t / S) per full group, at most ceil((W - 1) / S) + 1 per sliding one."""
+    return sum(group.max_blocks(num_tokens, block_size) for group in shape.kv_groups)
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -110,8 +161,9 @@ def padding_slots(num_tokens: int, block_size: int) -> int:
 
 
 def bytes_per_block(shape: KVShape, block_size: int) -> int:
-    """Memory one KV block occupies (all layers, K and V, scales)."""
-    return bytes_per_token(shape) * block_size
+    """Memory one KV block (a page) occupies: ``page_layers`` layers' K and V and scales
+    for ``block_size`` tokens. All layers for a model of one group."""
+    return shape.page_layers * layer_token_bytes(shape) * block_size
 
 
 def allocated_bytes(shape: KVShape, num_blocks: int, block_size: int) -> int:
@@ -155,6 +207,35 @@ def num_blocks_for_budget(shape: KVShape, block_size: int, kv_budget_bytes: int)
 
 
 @dataclass(frozen=True)
+class GroupPlan:
+    """One KV group's share of a sequence at ``max_model_len``, for the log and ``plan``."""
+
+    label: str  # "full" | "sliding_<W>"
+    window: int | None
+    num_layers: int
+    blocks_per_max_len_seq: int
+    payload_bytes_per_max_len_seq: int
+
+
+def plan_groups(shape: KVShape, block_size: int, max_model_len: int) -> tuple[GroupPlan, ...]:
+    """Per-group figures of one ``max_model_len`` sequence (empty for a non-hybrid shape)."""
+    if not shape.is_hybrid:
+        return ()
+    return tuple(
+        GroupPlan(
+            label=group.label,
+            window=group.window,
+            num_layers=len(group.layers),
+            blocks_per_max_len_seq=group.max_blocks(max_model_len, block_size),
+            payload_bytes_per_max_len_seq=group_payload_bytes(
+                shape, group, group.retained_tokens(max_model_len)
+            ),
+        )
+        for group in shape.kv_groups
+    )
+
+
+@dataclass(frozen=True)
 class CapacityPlan:
     """What a memory budget buys: the KV pool and how many sequences it serves."""
 
@@ -176,10 +257,31 @@ class CapacityPlan:
     # The device-side staging buffer of block copies (COPY_STAGING_BYTES, rounded to
     # whole blocks of one layer), taken from the budget before the KV pool.
     copy_staging_bytes: int = 0
+    # Per KV group, for a model with more than one (or a sliding one); empty otherwise.
+    groups: tuple[GroupPlan, ...] = ()
+    # What the same budget holds with every layer keeping every block (an all-full cache,
+    # --disable-hybrid-kv-cache-manager): its blocks and sequences at max_model_len.
+    all_full_num_blocks: int = 0
+    all_full_max_seqs_at_max_len: int = 0
 
     @property
     def kv_pool_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
+
+    @property
+    def bytes_per_max_len_seq(self) -> int:
+        """Pool bytes one sequence at max_model_len holds (whole blocks, every group)."""
+        return self.blocks_per_max_len_seq * self.bytes_per_block
+
+    @property
+    def hybrid_capacity_gain(self) -> float:
+        """Sequences at max_model_len per byte, against an all-full cache (1.0 for a model
+        of one full-attention group): the predicted factor of the hybrid KV cache."""
+        if not self.groups or not self.bytes_per_max_len_seq:
+            return 1.0
+        full_blocks = blocks_for_tokens(self.max_model_len, self.block_size)
+        all_full = full_blocks * self.block_size * self.bytes_per_token
+        return all_full / self.bytes_per_max_len_seq
 
     @property
     def fits_one_max_len_sequence(self) -> bool:
@@ -214,8 +316,10 @@ def plan_capacity(
         else num_blocks_for_budget(shape, block_size, kv_budget)
     )
     avg = avg_len if avg_len is not None else max_model_len
-    max_len_blocks = blocks_for_tokens(max_model_len, block_size)
-    avg_blocks = max(1, blocks_for_tokens(avg, block_size))
+    max_len_blocks = blocks_per_sequence(shape, max_model_len, block_size)
+    avg_blocks = max(1, blocks_per_sequence(shape, avg, block_size))
+    all_full = KVShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.kv_dtype)
+    all_full_blocks = num_blocks * per_block // bytes_per_block(all_full, block_size)
     return CapacityPlan(
         memory_budget_bytes=memory_budget_bytes,
         weight_bytes=weight_bytes,
@@ -233,6 +337,10 @@ def plan_capacity(
         blocks_per_avg_len_seq=avg_blocks,
         max_seqs_at_avg_len=num_blocks // avg_blocks,
         copy_staging_bytes=staging,
+        groups=plan_groups(shape, block_size, max_model_len),
+        all_full_num_blocks=all_full_blocks,
+        all_full_max_seqs_at_max_len=all_full_blocks
+        // blocks_for_tokens(max_model_len, block_size),
     )
 
 

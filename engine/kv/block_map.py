@@ -39,7 +39,7 @@ from engine.kv.accounting import KVShape
 from engine.kv.block_pool import BlockPool
 from engine.kv.manager import KVCacheManager
 from engine.kv.tiers import TieredPrefixCache
-from engine.outputs import EngineStats
+from engine.outputs import NULL_BLOCK, EngineStats
 from engine.request import Request, RequestStatus
 
 # Request states shown on the page. "preempted" is a waiting request that already ran and
@@ -71,7 +71,8 @@ class RequestRow:
     generated_tokens: int
     kv_tokens: int  # tokens whose K/V sit in the request's blocks
     pool: str  # "device", or "host" for a swapped-out request
-    table: tuple[int, ...]
+    table: tuple[int, ...]  # every block it holds, group after group
+    group_blocks: tuple[int, ...]  # how many of them each KV group holds
     prefix_hit_tokens: int
     preemptions: int
     state_since: float  # time.monotonic() when the request entered ``state`` (see StateClock)
@@ -174,7 +175,8 @@ def _request_row(request: Request, kv: KVCacheManager, clock: StateClock, now: f
     rid = request.request_id
     state = request_state(request)
     on_host = state == SWAPPED
-    table = kv.host_tables.get(rid, ()) if on_host else kv.tables.get(rid, ())
+    tables = kv.host_tables.get(rid, ()) if on_host else kv.tables.get(rid, ())
+    held = [[block for block in table if block != NULL_BLOCK] for table in tables]
     holds_kv = state in (RUNNING, SWAPPED)
     return RequestRow(
         request_id=rid,
@@ -185,7 +187,8 @@ def _request_row(request: Request, kv: KVCacheManager, clock: StateClock, now: f
         generated_tokens=request.num_output_tokens,
         kv_tokens=request.num_computed_tokens if holds_kv else 0,
         pool="host" if on_host else "device",
-        table=tuple(table),
+        table=tuple(block for blocks in held for block in blocks),
+        group_blocks=tuple(len(blocks) for blocks in held) or (0,) * kv.num_groups,
         prefix_hit_tokens=request.num_cached_tokens,
         preemptions=request.num_preemptions,
         state_since=clock.since(request, state, now),
@@ -272,6 +275,11 @@ def kv_shape_facts(shape: KVShape, block_size: int) -> dict[str, Any]:
         "bytes_per_token": accounting.bytes_per_token(shape),
         "bytes_per_block": accounting.bytes_per_block(shape, block_size),
         "block_size": block_size,
+        "page_layers": shape.page_layers,
+        "groups": [
+            {"label": group.label, "window": group.window, "num_layers": len(group.layers)}
+            for group in shape.kv_groups
+        ],
     }
 
 
@@ -302,6 +310,7 @@ def _encode_row(row: RequestRow, shape: KVShape, block_size: int, now: float) ->
         "kv_tokens": row.kv_tokens,
         "pool": row.pool,
         "blocks": len(row.table),
+        "group_blocks": list(row.group_blocks),
         "ranges": id_ranges(row.table),
         "payload_bytes": accounting.payload_bytes(shape, row.kv_tokens),
         "allocated_bytes": accounting.allocated_bytes(shape, len(row.table), block_size),
@@ -332,4 +341,14 @@ def _totals(stats: EngineStats) -> dict[str, Any]:
         "generation_tokens_total": stats.generation_tokens_total,
         "prompt_tokens_total": stats.prompt_tokens_total,
         "steps_total": stats.steps_total,
+        "groups": [
+            {
+                "label": group.label,
+                "used": group.used_blocks,
+                "cached": group.cached_blocks,
+                "payload_bytes": group.payload_bytes,
+                "allocated_bytes": group.allocated_bytes,
+            }
+            for group in stats.groups
+        ],
     }

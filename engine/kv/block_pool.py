@@ -11,6 +11,10 @@ Eviction is lazy: a cached-free block keeps its contents until ``allocate`` pops
 head of the free queue, and only then is its hash dropped. The free queue is a doubly linked
 list so that a cache hit can pull a block out of its middle in O(1).
 
+Models with several KV groups (engine/kv/groups.py) share one pool of equal pages: a
+block belongs to the group that allocated it until it is reused, and the pool keeps
+used and cached-free counts per group (O(1) stats, as for the totals).
+
 Pure Python, no torch: the pool hands out block ids; the runner owns the tensors.
 """
 
@@ -27,11 +31,12 @@ EvictHook = Callable[[int, "BlockHash"], None]
 class KVBlock:
     """One block's metadata. ``prev_free``/``next_free`` link it into the free queue."""
 
-    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_count")
+    __slots__ = ("block_hash", "block_id", "group", "next_free", "prev_free", "ref_count")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
+        self.group = 0  # the KV group that allocated it last
         self.block_hash: BlockHash | None = None
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
@@ -100,7 +105,7 @@ class BlockPool:
     blocks) are maintained incrementally so stats snapshots cost O(1).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, num_groups: int = 1) -> None:
         if num_blocks < 0:
             raise ValueError("num_blocks must be >= 0")
         self.num_blocks = num_blocks
@@ -110,6 +115,9 @@ class BlockPool:
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_shared_refs = 0
         self.num_cached_free = 0
+        # Per KV group: blocks in use, and free blocks still holding a cached prefix.
+        self.used_by_group = [0] * num_groups
+        self.cached_by_group = [0] * num_groups
         self.on_evict: EvictHook | None = None
 
     # -- queries -----------------------------------------------------------------------
@@ -131,8 +139,9 @@ class BlockPool:
 
     # -- allocation ----------------------------------------------------------------------
 
-    def allocate(self, count: int) -> list[int]:
-        """Take ``count`` blocks from the head of the free queue (evicting cached contents)."""
+    def allocate(self, count: int, group: int = 0) -> list[int]:
+        """Take ``count`` blocks from the head of the free queue (evicting cached contents)
+        for KV group ``group``."""
         if count > self.free_queue.size:
             raise ValueError(f"cannot allocate {count} blocks: only {self.free_queue.size} free")
         ids = []
@@ -141,7 +150,9 @@ class BlockPool:
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_count = 1
+            block.group = group
             ids.append(block.block_id)
+        self.used_by_group[group] += count
         return ids
 
     def touch(self, block_ids: Iterable[int]) -> None:
@@ -151,8 +162,10 @@ class BlockPool:
             block = blocks[block_id]
             if block.ref_count == 0:
                 self.free_queue.remove(block)
+                self.used_by_group[block.group] += 1
                 if block.block_hash is not None:
                     self.num_cached_free -= 1
+                    self.cached_by_group[block.group] -= 1
             else:
                 self.num_shared_refs += 1
             block.ref_count += 1
@@ -170,8 +183,10 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue.append(block)
+                self.used_by_group[block.group] -= 1
                 if block.block_hash is not None:
                     self.num_cached_free += 1
+                    self.cached_by_group[block.group] += 1
             else:
                 self.num_shared_refs -= 1
 
@@ -198,6 +213,7 @@ class BlockPool:
         block.block_hash = None
         if block.ref_count == 0:
             self.num_cached_free -= 1
+            self.cached_by_group[block.group] -= 1
 
     def _evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None
@@ -206,6 +222,7 @@ class BlockPool:
         del self.cached[block.block_hash]
         block.block_hash = None
         self.num_cached_free -= 1
+        self.cached_by_group[block.group] -= 1
 
     # -- invariants ------------------------------------------------------------------------
 
@@ -218,16 +235,22 @@ class BlockPool:
             in_queue.add(block.block_id)
         assert len(in_queue) == self.free_queue.size, "free queue size is wrong"
         shared = cached_free = 0
+        used_by_group = [0] * len(self.used_by_group)
+        cached_by_group = [0] * len(self.cached_by_group)
         for block in self.blocks:
             if block.ref_count == 0:
                 assert block.block_id in in_queue, f"{block} is lost (unreferenced, not free)"
                 cached_free += block.block_hash is not None
+                cached_by_group[block.group] += block.block_hash is not None
             else:
                 assert block.prev_free is None and block.next_free is None, f"{block} linked"
                 shared += block.ref_count - 1
+                used_by_group[block.group] += 1
             if block.block_hash is not None:
                 assert self.cached.get(block.block_hash) is block, f"{block} hash not mapped"
         assert len(self.cached) == sum(b.block_hash is not None for b in self.blocks)
         assert shared == self.num_shared_refs, "shared reference counter drifted"
         assert cached_free == self.num_cached_free, "cached-free counter drifted"
+        assert used_by_group == self.used_by_group, "per-group used counters drifted"
+        assert cached_by_group == self.cached_by_group, "per-group cached counters drifted"
         assert self.num_used + self.num_free == self.num_blocks

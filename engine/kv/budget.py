@@ -2,15 +2,21 @@
 
 Used by the scheduler for rejection at add time (can this ever fit?) and by the
 ``reserve`` admission policy (admit only with everything reserved). Pure arithmetic over
-``accounting.blocks_for_tokens``.
+the KV groups' block bounds (engine/kv/groups.py): a full group holds ceil(t / S) blocks,
+a sliding one at most ceil((W - 1) / S) + 1, summed over groups.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from engine.config import CacheConfig, SchedulerConfig
 from engine.errors import RequestRejected
 from engine.kv.accounting import blocks_for_tokens
+from engine.kv.groups import KVGroup
 from engine.request import Request
+
+FULL = (KVGroup((0,)),)  # a model of one full-attention group
 
 
 def final_len(request: Request, max_model_len: int) -> int:
@@ -18,25 +24,56 @@ def final_len(request: Request, max_model_len: int) -> int:
     return min(request.num_prompt_tokens + request.sampling_params.max_tokens, max_model_len)
 
 
-def final_blocks(request: Request, block_size: int, max_model_len: int) -> int:
-    return blocks_for_tokens(final_len(request, max_model_len), block_size)
+def final_blocks(
+    request: Request,
+    block_size: int,
+    max_model_len: int,
+    groups: Sequence[KVGroup] = FULL,
+    chunk: int = 1,
+) -> int:
+    """Blocks the sequence holds at most, every group, as it grows to its final length
+    (prefill chunks of up to ``chunk`` tokens: a window's blocks plus the chunk's)."""
+    length = final_len(request, max_model_len)
+    return sum(group.max_blocks(length, block_size, chunk) for group in groups)
 
 
-def child_blocks(parent: Request, block_size: int, max_model_len: int) -> int:
-    """Fresh blocks one forked child allocates: its own tail plus one copy-on-write copy of
-    the shared block holding the last prompt token."""
-    shared = blocks_for_tokens(parent.num_prompt_tokens, block_size)
-    return final_blocks(parent, block_size, max_model_len) - shared + 1
+def child_blocks(
+    parent: Request, block_size: int, max_model_len: int, groups: Sequence[KVGroup] = FULL
+) -> int:
+    """Fresh blocks one forked child allocates: in each group its own tail plus one
+    copy-on-write copy of the shared block holding the last prompt token (a sliding group's
+    own blocks are bounded by its window: it releases the shared ones as it advances, but
+    the parent still holds them)."""
+    length = final_len(parent, max_model_len)
+    total = 0
+    for group in groups:
+        shared = blocks_for_tokens(parent.num_prompt_tokens, block_size)
+        own = blocks_for_tokens(length, block_size) - shared + 1
+        if group.window is not None:
+            own = min(own, group.max_blocks(length, block_size))
+        total += own
+    return total
 
 
-def group_blocks(parent: Request, group_size: int, block_size: int, max_model_len: int) -> int:
+def group_blocks(
+    parent: Request,
+    group_size: int,
+    block_size: int,
+    max_model_len: int,
+    groups: Sequence[KVGroup] = FULL,
+    chunk: int = 1,
+) -> int:
     """Blocks an ``n``-sequence group holds at most when all of it runs at once."""
-    own = final_blocks(parent, block_size, max_model_len)
-    return own + (group_size - 1) * child_blocks(parent, block_size, max_model_len)
+    own = final_blocks(parent, block_size, max_model_len, groups, chunk)
+    return own + (group_size - 1) * child_blocks(parent, block_size, max_model_len, groups)
 
 
 def check_can_ever_run(
-    parent: Request, group_size: int, scheduler_config: SchedulerConfig, cache_config: CacheConfig
+    parent: Request,
+    group_size: int,
+    scheduler_config: SchedulerConfig,
+    cache_config: CacheConfig,
+    groups: Sequence[KVGroup] = FULL,
 ) -> None:
     """Reject a group that could never finish, even alone on an empty device.
 
@@ -56,10 +93,11 @@ def check_can_ever_run(
             f"the prompt has {num_prompt} tokens but max_model_len is {max_len}: "
             f"shorten the prompt to at most {max_len - 1} tokens",
         )
+    chunk = min(num_prompt, scheduler_config.max_num_batched_tokens)
     if scheduler_config.admission_policy == "reserve":
-        need = group_blocks(parent, group_size, block_size, max_len)
+        need = group_blocks(parent, group_size, block_size, max_len, groups, chunk)
     else:
-        need = final_blocks(parent, block_size, max_len)
+        need = final_blocks(parent, block_size, max_len, groups, chunk)
     usable = cache_config.num_device_blocks - cache_config.watermark_blocks
     if need > usable:
         raise RequestRejected(

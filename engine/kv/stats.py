@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.kv.accounting import KVShape, bytes_per_block, payload_bytes
+from engine.kv.accounting import KVShape, bytes_per_block, group_payload_bytes
 from engine.kv.block_pool import BlockPool
 from engine.kv.manager import KVCacheManager
-from engine.outputs import EngineStats, PoolStats
+from engine.outputs import EngineStats, GroupStats, PoolStats
 
 
 @dataclass
@@ -42,6 +42,8 @@ class QueueSizes:
     swapped: int
     live_tokens: int
     loading: int = 0
+    # Per KV group: the running requests' tokens the group's attention still reads.
+    retained_tokens: tuple[int, ...] = ()
 
 
 def pool_stats(pool: BlockPool) -> PoolStats:
@@ -57,6 +59,11 @@ def snapshot(
 ) -> EngineStats:
     """An immutable ``EngineStats`` (counters copied, so later steps do not mutate it)."""
     per_block = bytes_per_block(shape, kv.block_size)
+    retained = queues.retained_tokens or (queues.live_tokens,) * kv.num_groups
+    payloads = [
+        group_payload_bytes(shape, group, tokens)
+        for group, tokens in zip(shape.kv_groups, retained, strict=True)
+    ]
     return EngineStats(
         device_blocks=pool_stats(kv.device),
         host_blocks=pool_stats(kv.host),
@@ -65,7 +72,7 @@ def snapshot(
         num_waiting=queues.waiting,
         num_swapped=queues.swapped,
         live_tokens=queues.live_tokens,
-        payload_bytes=payload_bytes(shape, queues.live_tokens),
+        payload_bytes=sum(payloads),
         allocated_bytes=kv.device.num_used * per_block,
         shared_bytes=kv.device.num_shared_refs * per_block,
         preemptions_total=dict(counters.preemptions),
@@ -82,4 +89,23 @@ def snapshot(
         spec_emitted_tokens_total=counters.spec_emitted_tokens,
         tiers=kv.tiers.stats(shape, kv.block_size) if kv.tiers is not None else (),
         num_loading=queues.loading,
+        groups=group_stats(kv, shape, payloads) if shape.is_hybrid else (),
+    )
+
+
+def group_stats(kv: KVCacheManager, shape: KVShape, payloads: list[int]) -> tuple[GroupStats, ...]:
+    """Blocks and bytes per KV group, from the pool's per-group counters (O(groups))."""
+    per_block = bytes_per_block(shape, kv.block_size)
+    pool = kv.device
+    return tuple(
+        GroupStats(
+            label=group.label,
+            window=group.window,
+            num_layers=len(group.layers),
+            used_blocks=pool.used_by_group[index],
+            cached_blocks=pool.cached_by_group[index],
+            payload_bytes=payloads[index],
+            allocated_bytes=pool.used_by_group[index] * per_block,
+        )
+        for index, group in enumerate(shape.kv_groups)
     )

@@ -213,13 +213,14 @@ class TieredPrefixCache:
         """The leading run of ``hashes`` found in the tiers (each block host first)."""
         hits = []
         for block_hash in hashes:
-            hit = self._find(block_hash)
+            hit = self.find(block_hash)
             if hit is None:
                 break
             hits.append(hit)
         return hits
 
-    def _find(self, block_hash: BlockHash) -> TierHit | None:
+    def find(self, block_hash: BlockHash) -> TierHit | None:
+        """Where a tier holds ``block_hash`` (host first), or None."""
         held = self.host.lookup(block_hash) if self.host.num_blocks else None
         if held is not None:
             return TierHit(HOST, block_hash, held.block_id)
@@ -232,7 +233,7 @@ class TieredPrefixCache:
         asked of the host tier, then (if missing there) of disk; the walk ends at the first
         block no tier holds, a miss for every tier asked."""
         for block_hash in hashes:
-            hit = self._find(block_hash)
+            hit = self.find(block_hash)
             tiers = [HOST, DISK] if hit is None else [HOST] if hit.tier == HOST else [HOST, DISK]
             for tier in tiers:
                 counters = self.counters.get(tier)

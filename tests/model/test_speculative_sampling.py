@@ -22,7 +22,7 @@ def scheduled(rid: str, drafts: list[int], params: SamplingParams) -> ScheduledR
         request_id=rid,
         token_ids=[1, *drafts],
         num_computed_tokens=10,
-        block_ids=[],
+        block_tables=[[]],
         sample=True,
         sampling_params=params,
         prompt_token_ids=[3] * 10,

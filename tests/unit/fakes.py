@@ -7,6 +7,12 @@ swaps and copies, writes the scheduled tokens into their slots, and computes eac
 token from what it *reads back from the blocks*. Any bookkeeping bug (a wrong prefix hit,
 a missed copy-on-write, a bad swap) changes the tokens, so comparing against
 ``reference_tokens`` (plain generation without any cache) catches it.
+
+With KV groups (``windows``: one entry per group, None = full attention) every group has
+its own block table: each token is written into every group's block, a full group reads
+the whole prefix back and a sliding group only its window. The next token is computed
+from those reads; a read that disagrees with the sequence (a block released or reused too
+early, a wrong prefix hit in one group) yields a poisoned token, so the output differs.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from hashlib import blake2b
 
 from engine.config import SchedulerConfig
 from engine.core import EngineCore
-from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.outputs import NULL_BLOCK, RunnerOutput, ScheduledRequest, SchedulerOutput, TierOp
 from engine.request import Request, SamplingParams
 
 
@@ -42,15 +48,20 @@ class FakeKVRunner:
         block_size: int,
         num_host_blocks: int = 0,
         model: PrefixHashModel | None = None,
+        windows: Sequence[int | None] = (None,),
     ) -> None:
         self.block_size = block_size
+        self.windows = tuple(windows)
         self.model = model or PrefixHashModel()
         self.device = _empty_blocks(num_device_blocks, block_size)
         self.host = _empty_blocks(num_host_blocks, block_size)
         self.steps: list[SchedulerOutput] = []
+        # Most blocks a one-token decode found in one sliding group's table.
+        self.max_window_blocks = 0
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         self.steps.append(scheduler_output)
+        self._note_window_blocks(scheduler_output.scheduled)
         for dev, host in scheduler_output.swap_out:
             self.host[host] = list(self.device[dev])
         for host, dev in scheduler_output.swap_in:
@@ -59,16 +70,26 @@ class FakeKVRunner:
             self.device[dst] = list(self.device[src])
         # Like a real forward: every layer writes the batch's K/V before attention reads.
         for req in scheduler_output.scheduled:
-            for offset, token in enumerate(req.token_ids):
-                self._write(req.block_ids, req.num_computed_tokens + offset, token)
+            assert len(req.block_tables) == len(self.windows), "one block table per group"
+            for table in req.block_tables:
+                for offset, token in enumerate(req.token_ids):
+                    self._write(table, req.num_computed_tokens + offset, token)
         result = RunnerOutput()
         for req in scheduler_output.scheduled:
             if req.num_draft_tokens:
                 result.spec_token_ids[req.request_id] = self._verify(req)
             elif req.sample:
-                prefix = [self._read(req.block_ids, pos) for pos in range(req.context_len)]
-                result.sampled_token_ids[req.request_id] = self.model.next_token(prefix, req.seed)
+                result.sampled_token_ids[req.request_id] = self._next(req, req.context_len)
         return result
+
+    def _note_window_blocks(self, scheduled: list[ScheduledRequest]) -> None:
+        for req in scheduled:
+            if req.num_new_tokens != 1 or req.num_computed_tokens == 0:
+                continue
+            for table, window in zip(req.block_tables, self.windows, strict=True):
+                if window is not None:
+                    held = len(table) - table.count(NULL_BLOCK)
+                    self.max_window_blocks = max(self.max_window_blocks, held)
 
     def _verify(self, req: ScheduledRequest) -> list[int]:
         """Greedy verification: keep drafts while each is the model's next token for the
@@ -76,18 +97,37 @@ class FakeKVRunner:
         first = req.context_len - req.num_draft_tokens  # the prefix before the first draft
         emitted = []
         for i, draft in enumerate([*req.draft_token_ids, None]):
-            prefix = [self._read(req.block_ids, pos) for pos in range(first + i)]
-            token = self.model.next_token(prefix, req.seed)
+            token = self._next(req, first + i)
             emitted.append(token)
             if token != draft:
                 break
         return emitted
 
+    def _next(self, req: ScheduledRequest, context: int) -> int:
+        """The model's token after the first ``context`` tokens, from what every group
+        reads back: the whole prefix (full) or its last ``window`` tokens (sliding)."""
+        reads = []
+        for table, window in zip(req.block_tables, self.windows, strict=True):
+            start = 0 if window is None else max(0, context - window)
+            reads.append([self._read(table, pos) for pos in range(start, context)])
+        prefix = next((r for r, w in zip(reads, self.windows, strict=True) if w is None), None)
+        if prefix is None:  # every group slides: the first group's read stands for all
+            prefix = reads[0]
+        token = self.model.next_token(prefix, req.seed)
+        for read in reads:
+            if read != prefix[len(prefix) - len(read) :]:
+                return self.model.next_token([*prefix, -1, *read], req.seed)  # poisoned
+        return token
+
     def _write(self, block_ids: list[int], position: int, token: int) -> None:
-        self.device[block_ids[position // self.block_size]][position % self.block_size] = token
+        block = block_ids[position // self.block_size]
+        assert block != NULL_BLOCK, f"position {position} written to a released block"
+        self.device[block][position % self.block_size] = token
 
     def _read(self, block_ids: list[int], position: int) -> int:
-        token = self.device[block_ids[position // self.block_size]][position % self.block_size]
+        block = block_ids[position // self.block_size]
+        assert block != NULL_BLOCK, f"position {position} read from a released block"
+        token = self.device[block][position % self.block_size]
         assert token is not None, f"position {position} read before it was written"
         return token
 
@@ -116,12 +156,14 @@ def reference_tokens(
     seed: int | None,
     eos_token_ids: tuple[int, ...],
     max_model_len: int,
+    window: int | None = None,
 ) -> list[int]:
-    """What a sequence generates without any cache, batching or preemption."""
+    """What a sequence generates without any cache, batching or preemption (``window``: a
+    model whose every layer slides sees only its last ``window`` tokens)."""
     tokens = list(prompt)
     out: list[int] = []
     while True:
-        token = model.next_token(tokens, seed)
+        token = model.next_token(tokens if window is None else tokens[-window:], seed)
         tokens.append(token)
         out.append(token)
         stop_ok = len(out) > params.min_tokens
@@ -162,7 +204,10 @@ def make_group(
 
 
 def expected_for(
-    group: list[Request], model: PrefixHashModel, config: SchedulerConfig
+    group: list[Request],
+    model: PrefixHashModel,
+    config: SchedulerConfig,
+    window: int | None = None,
 ) -> dict[str, list[int]]:
     """Reference outputs of every sequence of a group."""
     return {
@@ -173,6 +218,7 @@ def expected_for(
             r.seed,
             r.eos_token_ids,
             config.max_model_len,
+            window,
         )
         for r in group
     }
@@ -209,3 +255,84 @@ class ScriptedRunner:
                 token = tokens.pop(0) if tokens else self.default
                 result.sampled_token_ids[req.request_id] = token
         return result
+
+
+class FakeDisk:
+    """An unbounded disk tier in memory (the ``DiskIndex`` the tier planner reads)."""
+
+    capacity_bytes = 1 << 40
+
+    def __init__(self) -> None:
+        self.entries: dict[bytes, list[int | None]] = {}
+
+    def contains(self, block_hash: bytes) -> bool:
+        return block_hash in self.entries
+
+    def contains_or_pending(self, block_hash: bytes) -> bool:
+        return block_hash in self.entries
+
+    @property
+    def used_bytes(self) -> int:
+        return len(self.entries)
+
+    @property
+    def num_entries(self) -> int:
+        return len(self.entries)
+
+    @property
+    def dropped_writes(self) -> int:
+        return 0
+
+
+class FakeTierMover:
+    """Applies tier ops to a ``FakeKVRunner``'s device blocks, a host tier and a fake
+    disk, synchronously. Loads of a hash in ``corrupt`` fail (as a damaged disk entry
+    would): that request's later loads do not count either, as in TierIO."""
+
+    def __init__(self, runner: FakeKVRunner, num_host_blocks: int, disk: FakeDisk | None):
+        self.pools = {
+            "device": runner.device,
+            "host": _empty_blocks(num_host_blocks, runner.block_size),
+        }
+        self.disk = disk
+        self.corrupt: set[bytes] = set()
+        self.loads = 0
+        self.failed_loads = 0
+
+    def apply(self, ops: list[TierOp], *, wait_for_disk: bool = False) -> dict[str, int]:
+        loaded: dict[str, int] = {}
+        broken: set[str] = set()
+        for op in ops:
+            ok = not (op.is_load and op.block_hash in self.corrupt)
+            if ok:
+                self._move(op)
+            if op.request_id is None:
+                continue
+            self.loads += 1
+            if not ok:
+                self.failed_loads += 1
+                broken.add(op.request_id)
+            elif op.request_id not in broken:
+                loaded[op.request_id] = loaded.get(op.request_id, 0) + 1
+        return loaded
+
+    def _move(self, op: TierOp) -> None:
+        if op.source == "disk":
+            assert self.disk is not None
+            data = list(self.disk.entries[op.block_hash])
+        else:
+            data = list(self.pools[op.source][op.source_block])
+        if op.target == "disk":
+            assert self.disk is not None
+            self.disk.entries[op.block_hash] = data
+        else:
+            self.pools[op.target][op.target_block] = data
+
+    def start_writes_ahead(self, ops: list[TierOp]) -> None:
+        self.apply(ops)
+
+    def wait_writes_ahead(self) -> BaseException | None:
+        return None
+
+    def close(self) -> None:
+        pass

@@ -96,11 +96,11 @@ def test_snapshot_decodes_to_the_pool_states_with_shared_and_cached_blocks() -> 
     rows = {r["id"]: r for r in snapshot["requests"]}
     assert rows["b"]["prefix_hit_tokens"] == 16
     assert rows["a"]["state"] == RUNNING
-    assert expand_ranges(rows["a"]["ranges"]) == sched.kv.tables["a"]
+    assert expand_ranges(rows["a"]["ranges"]) == sched.kv.block_table("a")
     tokens = rows["a"]["kv_tokens"]
     assert rows["a"]["payload_bytes"] == accounting.payload_bytes(SHAPE, tokens)
     assert rows["a"]["allocated_bytes"] == accounting.allocated_bytes(
-        SHAPE, len(sched.kv.tables["a"]), 4
+        SHAPE, len(sched.kv.block_table("a")), 4
     )
     totals = snapshot["totals"]
     assert totals["running"] == 2 and totals["device"]["used"] == sched.kv.device.num_used
@@ -163,7 +163,7 @@ def test_states_waiting_preempted_and_swapped_with_time_in_state() -> None:
     probe = BlockMapProbe()
     rows = {r["id"]: r for r in encode(probe.capture(sched))["requests"]}
     assert rows["b"]["state"] == SWAPPED and rows["b"]["pool"] == "host"
-    assert expand_ranges(rows["b"]["ranges"]) == sched.kv.host_tables["b"]
+    assert expand_ranges(rows["b"]["ranges"]) == sched.kv.host_tables["b"][0]
     assert rows["w"]["state"] == WAITING and rows["w"]["time_in_state_s"] >= 5.0
     assert decode_states(encode(probe.capture(sched)), "host").values() != {"free"}
 

@@ -54,11 +54,11 @@ def test_prefix_hit_is_capped_so_the_last_token_is_computed() -> None:
     compute(kv, first, 8)
     same = make_request("b", list(range(8)))
     # 8 tokens = 2 full cached blocks, but the last token must be computed: 1 block hit.
-    assert len(kv.find_cached_prefix(same)) == 1
+    assert kv.find_cached_prefix(same).num_blocks == 1
     longer = make_request("c", [*range(8), 99])
-    hits = kv.find_cached_prefix(longer)
-    assert hits == kv.block_table("a")
-    assert kv.allocate_slots(longer, 1, hits) == [2]
+    hit = kv.find_cached_prefix(longer)
+    assert hit.tables[0] == kv.block_table("a")
+    assert kv.allocate_slots(longer, 1, hit) == [2]
     assert kv.block_table("c") == [0, 1, 2]
     assert kv.device.ref_count(0) == 2
     kv.check_integrity()
@@ -68,9 +68,9 @@ def test_prefix_hit_stops_at_the_first_divergent_block_and_respects_the_salt() -
     kv = make_manager()
     compute(kv, make_request("a", list(range(12))), 12)
     diverges = make_request("b", [0, 1, 2, 3, 9, 9, 9, 9, 8, 9, 10, 11, 12])
-    assert len(kv.find_cached_prefix(diverges)) == 1
+    assert kv.find_cached_prefix(diverges).num_blocks == 1
     salted = make_request("c", list(range(13)), salt="other-tenant")
-    assert kv.find_cached_prefix(salted) == []
+    assert kv.find_cached_prefix(salted).num_blocks == 0
 
 
 def test_freed_blocks_stay_cached_and_are_evicted_tail_first() -> None:
@@ -82,7 +82,7 @@ def test_freed_blocks_stay_cached_and_are_evicted_tail_first() -> None:
     order = [b.block_id for b in kv.device.free_queue]
     assert order == [3, 2, 1, 0]  # the head block (0) is evicted last
     again = make_request("b", [*range(12), 5])
-    assert len(kv.find_cached_prefix(again)) == 3
+    assert kv.find_cached_prefix(again).num_blocks == 3
     kv.check_integrity()
 
 
@@ -95,7 +95,7 @@ def test_generated_tokens_become_cacheable_once_their_block_is_full() -> None:
         compute(kv, req, 1)
     # Blocks [1,2,3,4] and [5,6,...] -- only the first is full and computed.
     next_turn = make_request("b", [1, 2, 3, 4, 5, 6, 7])
-    assert kv.find_cached_prefix(next_turn) == [kv.block_table("a")[0]]
+    assert kv.find_cached_prefix(next_turn).tables[0] == [kv.block_table("a")[0]]
 
 
 def test_fork_shares_blocks_and_copy_on_write_separates_the_partial_block() -> None:
@@ -138,7 +138,7 @@ def test_swap_out_and_in_round_trip() -> None:
     assert kv.can_swap_out(req)
     out = kv.swap_out(req)
     assert out == [(0, 0), (1, 1)]
-    assert kv.block_table("a") == [] and kv.host_tables["a"] == [0, 1]
+    assert kv.block_table("a") == [] and kv.host_tables["a"] == [[0, 1]]
     assert kv.device.num_used == 0 and kv.host.num_used == 2
     kv.check_integrity()
     assert kv.can_swap_in(req)
@@ -184,7 +184,7 @@ def test_free_releases_device_and_host_and_ignores_unknown_requests() -> None:
 def test_integrity_check_catches_a_ref_count_that_does_not_match_the_tables() -> None:
     kv = make_manager()
     compute(kv, make_request("a", list(range(6))), 6)
-    kv.tables["a"].append(5)  # a table entry the pool does not know about
+    kv.tables["a"][0].append(5)  # a table entry the pool does not know about
     with pytest.raises(AssertionError):
         kv.check_integrity()
 

@@ -75,7 +75,7 @@ def head_could_run(
     if head.status is RequestStatus.SWAPPED:
         if len(sched.running) >= config.max_num_seqs:
             return False
-        held = len(sched.kv.host_tables[head.request_id])
+        held = len(sched.kv.host_tables[head.request_id][0])
         total = head.num_computed_tokens + num_new
         return max(held, blocks_for_tokens(total, cache.block_size)) <= free
     if sched.running and len(sched.running) + 1 > config.max_num_seqs:
@@ -202,7 +202,7 @@ def test_a_swapped_request_does_not_block_a_more_important_one_that_fits() -> No
             break
     assert swapped_at is not None, "the low-priority request was meant to be swapped out"
     # Free blocks for the urgent one, not for the swapped one.
-    need_low = len(sched.kv.host_tables["low"])
+    need_low = len(sched.kv.host_tables["low"][0])
     assert sched.kv.device.num_free < need_low
     (urgent,) = make_group("urgent", [5, 6, 7], params, priority=-10, arrival_time=2.0)
     sched.add_request([urgent])
