@@ -180,6 +180,9 @@ class EngineArgs:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     kv_cache_dtype: str = "auto"  # auto (accounting.resolve_kv_dtype) | a KV_DTYPE_BYTES key
+    # Keep every block of every layer (one full-attention KV group), as a cache without
+    # sliding-window groups would (engine/kv/groups.py); vLLM's flag name.
+    disable_hybrid_kv_cache_manager: bool = False
     max_model_len: int | None = None  # None: min(model's context, 8192)
     block_size: int = 16
     kv_cache_memory_gib: float = 2.0  # CPU: the KV budget on top of weights/activations

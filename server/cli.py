@@ -77,6 +77,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=["auto", "float32", "bfloat16", "float16", "fp8", "int8"],
         help="auto: the serving dtype, but bfloat16 where --dtype auto computes in float32",
     )
+    cache.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        action="store_true",
+        help="keep every block of sliding-window layers too (one full-attention KV group), "
+        "as an all-full cache does; for comparison",
+    )
     cache.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV budget, GiB (CPU)")
     cache.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     cache.add_argument("--num-kv-blocks", type=int, default=None, help="override the block count")
@@ -190,6 +196,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         dtype=args.dtype,
         device=args.device,
         kv_cache_dtype=args.kv_cache_dtype,
+        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         quantization=args.quantization,
         kernels=args.kernels,
         enforce_eager=args.enforce_eager,

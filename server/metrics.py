@@ -127,6 +127,7 @@ class EngineStatsCollector(Collector):
         yield self._gauge("engine_healthy", "1 when the engine loop is alive.", int(healthy))
         yield from self._block_families(stats)
         yield from self._byte_families(stats)
+        yield from self._group_families(stats)
         yield from self._measured_families()
         yield from self._request_families(stats)
         yield from self._counter_families(stats)
@@ -216,6 +217,39 @@ class EngineStatsCollector(Collector):
             yield self._gauge(
                 "host_kv_cache_memory_bytes", "Host memory of the offload pool.", host_bytes
             )
+
+    def _group_families(self, stats: EngineStats) -> Iterator[Metric]:
+        """Per KV group of a hybrid model (engine/kv/groups.py); nothing for one group."""
+        if not stats.groups:
+            return
+        labels = ["model_name", "group", "attention", "window"]
+        blocks = GaugeMetricFamily(
+            PREFIX + "kv_cache_group_blocks",
+            "Device KV blocks each KV group holds (used) or keeps cached for prefix hits.",
+            labels=[*labels, "state"],
+        )
+        payload = GaugeMetricFamily(
+            PREFIX + "kv_cache_group_payload_bytes",
+            "Logical KV payload per group: 2*L_g*H_kv*d*t*b, t at most the window.",
+            labels=labels,
+        )
+        allocated = GaugeMetricFamily(
+            PREFIX + "kv_cache_group_allocated_bytes",
+            "Used blocks of each group x bytes per block.",
+            labels=labels,
+        )
+        layers = GaugeMetricFamily(
+            PREFIX + "kv_cache_group_layers", "Model layers in each KV group.", labels=labels
+        )
+        for index, group in enumerate(stats.groups):
+            kind = "full" if group.window is None else "sliding"
+            values = [self._model, str(index), kind, str(group.window or "")]
+            blocks.add_metric([*values, "used"], group.used_blocks)
+            blocks.add_metric([*values, "cached"], group.cached_blocks)
+            payload.add_metric(values, group.payload_bytes)
+            allocated.add_metric(values, group.allocated_bytes)
+            layers.add_metric(values, group.num_layers)
+        yield from (blocks, payload, allocated, layers)
 
     def _measured_families(self) -> Iterator[Metric]:
         if self._memory_fn is None:
