@@ -16,7 +16,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     XDG_CACHE_HOME=/cache \
     MODEL=""
 
-# g++ builds the fused CPU kernels (engine/model/csrc) at first use. DL3008 (pin apt
+# g++ builds the fused CPU kernels (engine/model/kernels/csrc) at first use. DL3008 (pin apt
 # versions) is ignored on purpose: bookworm's point and security releases replace the exact
 # version, which would break the build; the base image tag already fixes the release.
 # hadolint ignore=DL3008

@@ -2,7 +2,7 @@
 
 A random-weight Llama (default: Llama-3.2-1B's shape in bf16; no download) decodes
 ``--steps`` greedy steps at each batch size with every sequence ``--context`` tokens
-deep, through ``DecodeGraphs`` (engine/model/cuda_graphs.py): persistent buffers, one
+deep, through ``DecodeGraphs`` (engine/model/runtime/cuda_graphs.py): persistent buffers, one
 host sync per step (the sampled ids), eagerly and then replayed as CUDA graphs. Printed
 per batch: tokens/s and ms per step in both modes; at batch 1 also the fraction of the
 HBM roofline, (weight bytes + KV bytes read per step) / step time / the device's peak
@@ -29,9 +29,9 @@ import torch
 from bench_kernels import SMOLLM2  # the script's folder is on sys.path (bench/ is no package)
 
 from engine.kv.accounting import KVShape, bytes_per_token
-from engine.model.kv_cache import KVPool, KVPoolLayout, PagedKVCache
-from engine.model.llama import LayerWeights, LlamaModel, LlamaWeights, RotaryEmbedding
-from engine.model.quant_linear import DenseLinear
+from engine.model.layers.decoder import LayerWeights, LlamaModel, LlamaWeights, RotaryEmbedding
+from engine.model.layers.linear import DenseLinear
+from engine.model.runtime.kv_cache import KVPool, KVPoolLayout, PagedKVCache
 from engine.model.spec import ModelSpec
 
 PRESETS: dict[str, ModelSpec] = {
@@ -94,7 +94,7 @@ def step_bytes(spec: ModelSpec, kv: KVShape, element: int, batch: int, context: 
 
 
 def random_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> LlamaModel:
-    from engine.model.triton_kernels import TritonKernels
+    from engine.model.kernels.triton.triton_kernels import TritonKernels
 
     def dense(rows: int, cols: int) -> DenseLinear:
         return DenseLinear(torch.randn(rows, cols, dtype=dtype, device=device) * cols**-0.5)
@@ -133,7 +133,7 @@ def peak_bandwidth(device: torch.device, override_gbs: float | None) -> float:
 
 def time_decode(graphs: object, batch: int, context: int, steps: int, block_ids: list) -> float:
     """Seconds per step over ``steps`` timed steps (after 3 warm-up steps)."""
-    from engine.model.cuda_graphs import DecodeGraphs, DecodeRow
+    from engine.model.runtime.cuda_graphs import DecodeGraphs, DecodeRow
 
     assert isinstance(graphs, DecodeGraphs)
     tokens = [1] * batch
@@ -146,7 +146,7 @@ def time_decode(graphs: object, batch: int, context: int, steps: int, block_ids:
 
 
 def run_batch(args: argparse.Namespace, model: LlamaModel, kv: KVShape, batch: int) -> dict:
-    from engine.model.cuda_graphs import DecodeGraphs
+    from engine.model.runtime.cuda_graphs import DecodeGraphs
 
     max_len = args.context + args.steps + 8
     per_seq = -(-max_len // args.block_size)

@@ -31,11 +31,11 @@ from functools import partial
 
 import torch
 
-from engine.model.attention import AttentionMetadata, SequenceChunk, build_metadata
-from engine.model.kernels import NativeKernels, TorchKernels
-from engine.model.kv_cache import KVPool, KVPoolLayout, PagedKVCache
-from engine.model.native import load_native_ops
-from engine.model.quant_linear import Int4Linear, Int8Linear, Linear
+from engine.model.kernels.base import NativeKernels, TorchKernels
+from engine.model.kernels.metadata import AttentionMetadata, SequenceChunk, build_metadata
+from engine.model.kernels.native import load_native_ops
+from engine.model.layers.linear import Int4Linear, Int8Linear, Linear
+from engine.model.runtime.kv_cache import KVPool, KVPoolLayout, PagedKVCache
 from engine.model.spec import ModelSpec
 
 SMOLLM2 = ModelSpec(

@@ -29,8 +29,8 @@ import torch
 
 from engine.builder import build_engine
 from engine.config import EngineArgs
-from engine.model.attention import SequenceChunk, build_metadata
-from engine.model.kernels import NativeKernels, TorchKernels
+from engine.model.kernels.base import NativeKernels, TorchKernels
+from engine.model.kernels.metadata import SequenceChunk, build_metadata
 from engine.request import Request, SamplingParams
 
 

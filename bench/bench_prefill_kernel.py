@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from engine.model import native
+from engine.model.kernels import native
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """What a copy on a second thread does to the forward beside it, on the CPU.
 
-The tier writer (engine/model/tier_io.py) copies blocks to the host tier while the step's
+The tier writer (engine/model/runtime/tier_io.py) copies blocks to the host tier while the step's
 forward runs. This times a forward-like stack of GEMMs (30 layers, 64 rows, SmolLM2's
 widths) alone, beside a thread copying 40 blocks per iteration with torch's
 ``index_select``/``index_copy_`` (as ``copy_blocks`` does), and beside the same copies by
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.model.native import load_native_ops
+from engine.model.kernels.native import load_native_ops
 
 LAYERS, HEADS, DEVICE_BLOCKS, HOST_BLOCKS, BLOCK, HEAD_DIM = 30, 3, 320, 1456, 16, 64
 BLOCKS_PER_STEP = 40

@@ -22,7 +22,7 @@ import torch
 
 from engine.builder import build_engine
 from engine.config import EngineArgs
-from engine.model.quant_linear import DenseLinear
+from engine.model.layers.linear import DenseLinear
 from engine.request import Request, SamplingParams
 
 
@@ -44,7 +44,7 @@ def set_fast_decode(core: object, on: bool) -> object:
     model = core.runner.model  # type: ignore[attr-defined]
     if not hasattr(model, "fast_decode"):
         return None
-    from engine.model.cpu_decode import DecodeLayers
+    from engine.model.runtime.cpu_decode import DecodeLayers
 
     built = DecodeLayers.build(model.weights)
     model.fast_decode = built if on else None

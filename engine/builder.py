@@ -25,13 +25,13 @@ from engine.kv import accounting
 from engine.kv.accounting import CapacityPlan, KVShape, TierCapacity
 from engine.kv.disk_store import DiskFingerprint, DiskStore
 from engine.kv.tiers import TieredPrefixCache
-from engine.model.kernels import select_kernels
-from engine.model.kv_cache import KVPool, KVPoolLayout
-from engine.model.llama import LlamaModel
+from engine.model.kernels.base import select_kernels
+from engine.model.layers.decoder import LlamaModel
+from engine.model.layers.linear import check_quantization, quantize_weights
 from engine.model.loader import ModelSource, load_model, load_tokenizer
-from engine.model.profile import measure_activation_peak
-from engine.model.quant_linear import check_quantization, quantize_weights
-from engine.model.tier_io import TierIO
+from engine.model.runtime.kv_cache import KVPool, KVPoolLayout
+from engine.model.runtime.profile import measure_activation_peak
+from engine.model.runtime.tier_io import TierIO
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.structured import GrammarCompiler
@@ -203,7 +203,7 @@ def _attach_tiers(
     kv_shape: KVShape,
 ) -> None:
     """Give the KV manager its host/disk tiers and the core the runner side that moves
-    their bytes (engine/kv/tiers.py, engine/model/tier_io.py)."""
+    their bytes (engine/kv/tiers.py, engine/model/runtime/tier_io.py)."""
     if not tiers:
         return
     sizes = {tier.name: tier for tier in tiers}

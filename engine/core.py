@@ -43,7 +43,7 @@ class Runner(Protocol):
 
 
 class TierMover(Protocol):
-    """Applies the tiered prefix cache's moves (engine/model/tier_io.py)."""
+    """Applies the tiered prefix cache's moves (engine/model/runtime/tier_io.py)."""
 
     def apply(self, ops: list[TierOp], *, wait_for_disk: bool = False) -> dict[str, int]: ...
     def start_writes_ahead(self, ops: list[TierOp]) -> None: ...

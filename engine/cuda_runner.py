@@ -2,11 +2,11 @@
 
 ``CudaModelRunner`` is a ``ModelRunner`` for the Triton backend. All-decode steps (every
 request one new token, no speculative draft) go through ``DecodeGraphs``
-(engine/model/cuda_graphs.py): inputs staged in pinned host memory, copied to persistent
+(engine/model/runtime/cuda_graphs.py): inputs staged in pinned host memory, copied to persistent
 device buffers without blocking, the forward replayed as the CUDA graph of the next padded
 batch size (or run eagerly on the same buffers with ``--enforce-eager``). Every other step
 (prefill chunks, prefix hits, mixed batches, speculative verifications, decode batches
-larger than captured) is staged by ``StepMetadataBuilder`` (engine/model/cuda_metadata.py)
+larger than captured) is staged by ``StepMetadataBuilder`` (engine/model/runtime/cuda_metadata.py)
 the same way and runs eagerly with one attention launch per layer; the rows whose logits
 are sampled are gathered through the same staged buffer. Neither path waits for the
 device: the step's host sync is the sampler reading the sampled ids back.
@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from engine.kv.accounting import KVShape, format_bytes
-from engine.model.cuda_graphs import DecodeGraphs, DecodeRow, batch_size_ladder
-from engine.model.cuda_metadata import StagedStep, StepMetadataBuilder
-from engine.model.kv_cache import KVPool, KVPoolLayout, PagedKVCache
-from engine.model.llama import LlamaModel
+from engine.model.layers.decoder import LlamaModel
+from engine.model.runtime.cuda_graphs import DecodeGraphs, DecodeRow, batch_size_ladder
+from engine.model.runtime.cuda_metadata import StagedStep, StepMetadataBuilder
+from engine.model.runtime.kv_cache import KVPool, KVPoolLayout, PagedKVCache
 from engine.outputs import ScheduledRequest
 from engine.runner import ModelRunner, chunks, logits_rows
 

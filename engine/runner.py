@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.model.attention import SequenceChunk, build_metadata
-from engine.model.kv_cache import CopyStaging, KVPool, PagedKVCache, copy_blocks
-from engine.model.llama import LlamaModel
-from engine.model.memory import measured_memory
+from engine.model.kernels.metadata import SequenceChunk, build_metadata
+from engine.model.layers.decoder import LlamaModel
+from engine.model.runtime.kv_cache import CopyStaging, KVPool, PagedKVCache, copy_blocks
+from engine.model.runtime.memory import measured_memory
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.prompt_logprobs import score_prompts
 from engine.sampler import Sampler, SamplingRow
@@ -51,7 +51,7 @@ class ModelRunner:
         return self.cache.block_size
 
     def measured_memory(self) -> dict[str, int]:
-        """Measured bytes by component (engine/model/memory.py); safe from any thread."""
+        """Measured bytes by component (engine/model/runtime/memory.py); safe from any thread."""
         host = self.host_pool.tensors() if self.host_pool is not None else []
         return measured_memory(self.device_pool.key.device, self.device_pool.tensors(), host)
 

@@ -357,7 +357,7 @@ def weight_bytes_for(
     callers pass ``rowwise``)."""
     if quantization == "none":
         return facts.num_parameters * DTYPE_BYTES[dtype]
-    from engine.model.quant_linear import (
+    from engine.model.layers.linear import (
         INT4_GROUP,
         INT4_GROUP_OVERHEAD_BYTES,
         INT8_CHANNEL_OVERHEAD_BYTES,
@@ -418,7 +418,7 @@ def _activation_reserve(args: argparse.Namespace, facts: ModelFacts, dtype: str)
 def _check_quantization(quantization: str, device: str, kernels: str) -> None:
     import torch
 
-    from engine.model.quant_linear import check_quantization
+    from engine.model.layers.linear import check_quantization
 
     # Planning never compiles anything: auto is assumed to get the native kernels.
     backend = "torch" if kernels == "torch" else "native"

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from engine.model.llama import LayerWeights, LlamaModel, LlamaWeights, RotaryEmbedding
-from engine.model.quant_linear import DenseLinear
+from engine.model.layers.decoder import LayerWeights, LlamaModel, LlamaWeights, RotaryEmbedding
+from engine.model.layers.linear import DenseLinear
 from engine.model.spec import ModelSpec, rope_inverse_frequencies, spec_from_hf_config
 
 logger = logging.getLogger(__name__)

@@ -42,7 +42,7 @@ import torch
 import xgrammar as xgr
 
 from engine.compute_thread import ComputeThread
-from engine.model.native import load_native_ops
+from engine.model.kernels.native import load_native_ops
 from engine.request import SamplingParams
 from engine.structured.compiler import GrammarCompiler
 

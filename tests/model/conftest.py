@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.model.kernels import NativeKernels, TorchKernels
+from engine.model.kernels.base import NativeKernels, TorchKernels
 
 
 @pytest.fixture(scope="module", params=["torch", "native"])

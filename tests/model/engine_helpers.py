@@ -10,8 +10,8 @@ from engine.builder import build_engine
 from engine.config import CacheConfig, EngineArgs, SchedulerConfig
 from engine.core import EngineCore
 from engine.kv.accounting import KVShape
-from engine.model.kv_cache import KVPool, KVPoolLayout
-from engine.model.llama import LlamaModel
+from engine.model.layers.decoder import LlamaModel
+from engine.model.runtime.kv_cache import KVPool, KVPoolLayout
 from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from engine.kv.accounting import KVShape
-from engine.model.attention import SequenceChunk, build_metadata
-from engine.model.kv_cache import KVPool, KVPoolLayout, PagedKVCache
-from engine.model.llama import LlamaModel
+from engine.model.kernels.metadata import SequenceChunk, build_metadata
+from engine.model.layers.decoder import LlamaModel
+from engine.model.runtime.kv_cache import KVPool, KVPoolLayout, PagedKVCache
 
 
 def make_cache(

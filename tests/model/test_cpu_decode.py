@@ -1,4 +1,4 @@
-"""The CPU decode fast path (engine/model/cpu_decode.py): one native call for every layer
+"""The CPU decode fast path (engine/model/runtime/cpu_decode.py): one native call for every layer
 of a decode step computes exactly what LlamaModel's Python loop computes, and steps it
 cannot serve go the Python way."""
 
@@ -9,13 +9,13 @@ import dataclasses
 import pytest
 import torch
 
-from engine.model.attention import SequenceChunk, build_metadata
-from engine.model.cpu_decode import MAX_ROWS, DecodeLayers
-from engine.model.kernels import NativeKernels
-from engine.model.llama import LlamaModel
+from engine.model.kernels.base import NativeKernels
+from engine.model.kernels.metadata import SequenceChunk, build_metadata
+from engine.model.kernels.native import load_native_ops
+from engine.model.layers.decoder import LlamaModel
+from engine.model.layers.linear import DenseLinear, quantize_weights
 from engine.model.loader import model_from_reference
-from engine.model.native import load_native_ops
-from engine.model.quant_linear import DenseLinear, quantize_weights
+from engine.model.runtime.cpu_decode import MAX_ROWS, DecodeLayers
 from tests.model.paged import BlockTables, make_cache, run_step
 
 pytestmark = pytest.mark.skipif(not load_native_ops(), reason="needs the native kernels")

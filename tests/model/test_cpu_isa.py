@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.model.native import load_native_ops
+from engine.model.kernels.native import load_native_ops
 
 pytestmark = pytest.mark.skipif(not load_native_ops(), reason="needs the native kernels")
 
@@ -26,7 +26,7 @@ AVX2_ONLY = {**os.environ, "KVSERVE_CPU_ISA": "avx2"}
 NO_AMX = {**os.environ, "KVSERVE_CPU_ISA": "avx512"}
 SUPPORT = (
     "import torch\n"
-    "from engine.model.native import load_native_ops\n"
+    "from engine.model.kernels.native import load_native_ops\n"
     "assert load_native_ops()\n"
     "ops = torch.ops.kvserve\n"
     "print(ops.bf16_linear_supported(), ops.int8_vnni_supported(), ops.amx_prefill_available())\n"

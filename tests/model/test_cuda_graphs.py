@@ -1,4 +1,4 @@
-"""Decode steps through persistent buffers (engine/model/cuda_graphs.py): the batch-size
+"""Decode steps through persistent buffers (engine/model/runtime/cuda_graphs.py): the batch-size
 ladder, padding that writes and reads nothing, and logits equal to the ordinary forward's.
 The eager path runs here under TRITON_INTERPRET; graph capture and replay need a GPU."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tests.model.triton_setup import DEVICE  # isort: skip  (sets TRITON_INTERPRET first)
-from engine.model.cuda_graphs import DecodeGraphs, DecodeRow, batch_size_ladder, padded_size
+from engine.model.kernels.triton.triton_kernels import TritonKernels
 from engine.model.loader import model_from_reference
-from engine.model.triton_kernels import TritonKernels
+from engine.model.runtime.cuda_graphs import DecodeGraphs, DecodeRow, batch_size_ladder, padded_size
 from tests.model.paged import BlockTables, make_cache, run_step
 
 

@@ -1,4 +1,4 @@
-"""StepMetadataBuilder (engine/model/cuda_metadata.py): any step's metadata for the Triton
+"""StepMetadataBuilder (engine/model/runtime/cuda_metadata.py): any step's metadata for the Triton
 backend from one staged buffer. On the CPU under TRITON_INTERPRET (pinning skipped) it
 must give the logits and the cache contents of ``build_metadata``'s path for mixed steps:
 decodes, verification rows, a chunk starting inside a block, a prefix hit, a fresh
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from tests.model.triton_setup import DEVICE  # isort: skip  (sets TRITON_INTERPRET first)
-from engine.model.attention import SequenceChunk, build_metadata
-from engine.model.cuda_metadata import StepMetadataBuilder
+from engine.model.kernels.metadata import SequenceChunk, build_metadata
+from engine.model.kernels.triton.triton_kernels import TritonKernels
 from engine.model.loader import model_from_reference
-from engine.model.triton_kernels import TritonKernels
+from engine.model.runtime.cuda_metadata import StepMetadataBuilder
 from tests.model.paged import BlockTables, make_cache, run_step
 
 ATOL = 1e-5

@@ -14,9 +14,9 @@ from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from engine.core import EngineCore
 from engine.cuda_runner import CudaModelRunner, decode_graph_reserve
 from engine.kv.accounting import KVShape
-from engine.model.kv_cache import KVPool, KVPoolLayout
+from engine.model.kernels.triton.triton_kernels import TritonKernels
 from engine.model.loader import model_from_reference
-from engine.model.triton_kernels import TritonKernels
+from engine.model.runtime.kv_cache import KVPool, KVPoolLayout
 from engine.scheduler import Scheduler
 from tests.model.engine_helpers import greedy, reference_greedy, run_all
 

@@ -14,10 +14,9 @@ import torch.nn.functional as F
 
 from engine.builder import build_engine
 from engine.config import EngineArgs
-from engine.model.llama import LlamaModel, LlamaWeights
-from engine.model.loader import ModelSource, load_model, model_from_reference
-from engine.model.native import load_native_ops
-from engine.model.quant_linear import (
+from engine.model.kernels.native import load_native_ops
+from engine.model.layers.decoder import LlamaModel, LlamaWeights
+from engine.model.layers.linear import (
     INT4_GROUP,
     INT4_GROUP_OVERHEAD_BYTES,
     INT4_INTEGER_MAX_ROWS,
@@ -30,6 +29,7 @@ from engine.model.quant_linear import (
     quantize_weights,
     unpack_int4,
 )
+from engine.model.loader import ModelSource, load_model, model_from_reference
 from tests.model.engine_helpers import greedy, run_all, smollm_chat_prompt, smollm_greedy_answer
 from tests.model.test_weight_quant import (
     assert_logits_close,

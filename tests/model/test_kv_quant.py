@@ -8,8 +8,8 @@ import torch
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv import accounting
-from engine.model.kv_cache import KVPool, KVPoolLayout
 from engine.model.loader import model_from_reference
+from engine.model.runtime.kv_cache import KVPool, KVPoolLayout
 from tests.model.engine_helpers import greedy, make_core, run_all
 from tests.model.paged import BlockTables, make_cache, run_step
 

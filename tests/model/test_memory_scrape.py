@@ -11,7 +11,7 @@ import textwrap
 PROBE = textwrap.dedent(
     """
     import threading, torch
-    from engine.model.memory import resident_bytes
+    from engine.model.runtime.memory import resident_bytes
 
     torch.set_num_threads(2)
     torch.ones(1 << 22).sum()  # the main thread's team, as the engine thread has one

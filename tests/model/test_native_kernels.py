@@ -1,4 +1,4 @@
-"""The fused CPU kernels (engine/model/csrc/) against the torch backend, op by op.
+"""The fused CPU kernels (engine/model/kernels/csrc/) against the torch backend, op by op.
 
 Whole-model parity with transformers for both backends lives in test_forward_parity.py and
 test_engine_greedy.py; these tests pin each kernel down on its own, in float32 (tight) and
@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model.attention import SequenceChunk, build_metadata
-from engine.model.kernels import NativeKernels, TorchKernels, select_kernels
-from engine.model.kv_cache import KVPool, KVPoolLayout, PagedKVCache
-from engine.model.quant_linear import (
+from engine.model.kernels.base import NativeKernels, TorchKernels, select_kernels
+from engine.model.kernels.metadata import SequenceChunk, build_metadata
+from engine.model.layers.linear import (
     BF16_ROWWISE_MAX_ROWS,
     ROWWISE_CHANNEL_BYTES,
     ROWWISE_MAX_ROWS,
@@ -26,6 +25,7 @@ from engine.model.quant_linear import (
     bf16_rowwise_supported,
     quantize_weights,
 )
+from engine.model.runtime.kv_cache import KVPool, KVPoolLayout, PagedKVCache
 from engine.model.spec import ModelSpec
 from tests.model.paged import BlockTables
 
@@ -392,7 +392,9 @@ def test_select_kernels():
 
 
 def test_auto_on_cuda_without_triton_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setitem(sys.modules, "engine.model.triton_kernels", None)  # import fails
+    monkeypatch.setitem(
+        sys.modules, "engine.model.kernels.triton.triton_kernels", None
+    )  # import fails
     assert select_kernels("auto", torch.device("cuda"), torch.float16).name == "torch"
     with pytest.raises(ValueError, match="needs triton installed"):
         select_kernels("triton", torch.device("cuda"), torch.float16)

@@ -16,8 +16,8 @@ import torch
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv import accounting
 from engine.kv.accounting import KVShape
-from engine.model.kv_cache import CopyStaging, KVPool, KVPoolLayout, copy_blocks
 from engine.model.loader import model_from_reference
+from engine.model.runtime.kv_cache import CopyStaging, KVPool, KVPoolLayout, copy_blocks
 from engine.outputs import RunnerOutput, SchedulerOutput
 from tests.model.engine_helpers import greedy, make_core, run_all
 

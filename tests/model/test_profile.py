@@ -1,4 +1,4 @@
-"""The memory profile's steps (engine/model/profile.py, profile_shapes.py): besides fresh
+"""The memory profile's steps (engine/model/runtime/profile.py, profile_shapes.py): besides fresh
 prefills, a chunk behind a long cached prefix and a prefix hit, the largest peak counted.
 On the CPU their extra is computed (a bound per backend); on CUDA measured."""
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from engine.kv.accounting import KVShape
-from engine.model import profile
-from engine.model.kernels import TorchKernels
+from engine.model.kernels.base import TorchKernels
 from engine.model.loader import model_from_reference
-from engine.model.profile import activation_peaks, profile_shapes
-from engine.model.profile_shapes import (
+from engine.model.runtime import profile
+from engine.model.runtime.profile import activation_peaks, profile_shapes
+from engine.model.runtime.profile_shapes import (
     chunked_chunks,
     context_attention_bytes,
     fresh_chunks,

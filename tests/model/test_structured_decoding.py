@@ -18,9 +18,9 @@ import torch
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core import EngineCore
 from engine.errors import GrammarError
-from engine.model.llama import LlamaModel
+from engine.model.layers.decoder import LlamaModel
+from engine.model.layers.linear import quantize_weights
 from engine.model.loader import model_from_reference
-from engine.model.quant_linear import quantize_weights
 from engine.outputs import RequestDelta, SchedulerOutput
 from engine.request import FinishReason, Request, SamplingParams, StructuredOutputs
 from engine.sampler import SamplingRow

@@ -12,8 +12,12 @@ import torch
 
 from tests.model.triton_setup import DEVICE  # isort: skip  (sets TRITON_INTERPRET first)
 from engine.kv.accounting import KVShape
-from engine.model.kv_cache import KVPool, KVPoolLayout, PagedKVCache
-from engine.model.triton_attention import SplitWorkspace, choose_num_splits, unified_attention
+from engine.model.kernels.triton.triton_attention import (
+    SplitWorkspace,
+    choose_num_splits,
+    unified_attention,
+)
+from engine.model.runtime.kv_cache import KVPool, KVPoolLayout, PagedKVCache
 
 # (cached tokens before the step, new tokens): decodes first, then prefill chunks that
 # start at 0, inside a block, on a block boundary, and one longer than a key tile.

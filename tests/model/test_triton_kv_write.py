@@ -8,8 +8,8 @@ import torch
 
 from tests.model.triton_setup import DEVICE  # isort: skip  (sets TRITON_INTERPRET first)
 from engine.kv.accounting import KVShape
-from engine.model.kv_cache import KVPool, KVPoolLayout, PagedKVCache
-from engine.model.triton_kv_write import write_kv
+from engine.model.kernels.triton.triton_kv_write import write_kv
+from engine.model.runtime.kv_cache import KVPool, KVPoolLayout, PagedKVCache
 
 HEADS, KV_HEADS = 4, 2
 

@@ -12,15 +12,15 @@ import torch.nn.functional as F
 
 from engine.builder import build_engine
 from engine.config import CacheConfig, EngineArgs
-from engine.model.llama import LlamaModel
-from engine.model.loader import model_from_reference
-from engine.model.quant_linear import (
+from engine.model.layers.decoder import LlamaModel
+from engine.model.layers.linear import (
     INT8_CHANNEL_OVERHEAD_BYTES,
     DenseLinear,
     Int8Linear,
     check_quantization,
     quantize_weights,
 )
+from engine.model.loader import model_from_reference
 from server.plan import add_plan_parser, build_report
 from tests.model.engine_helpers import (
     greedy,

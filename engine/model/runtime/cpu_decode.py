@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.model.quant_linear import (
+from engine.model.layers.linear import (
     BF16_ROWWISE_MAX_ROWS,
     INT4_INTEGER_MAX_ROWS,
     NATIVE_ACTIVATION_DTYPES,
@@ -34,9 +34,9 @@ from engine.model.quant_linear import (
 )
 
 if TYPE_CHECKING:
-    from engine.model.attention import AttentionMetadata
-    from engine.model.kv_cache import PagedKVCache
-    from engine.model.llama import LlamaWeights
+    from engine.model.kernels.metadata import AttentionMetadata
+    from engine.model.layers.decoder import LlamaWeights
+    from engine.model.runtime.kv_cache import PagedKVCache
     from engine.model.spec import ModelSpec
 
 # Rows every projection serves with its few-row kernel (the smallest of their limits).

@@ -30,8 +30,8 @@ import torch
 from engine.compute_thread import ComputeThread
 from engine.kv.disk_store import DiskStore
 from engine.kv.tiers import DEVICE, DISK, HOST, TierCounters
-from engine.model.kv_cache import CopyStaging, KVPool, copy_blocks, copy_blocks_serially
-from engine.model.native import load_native_ops
+from engine.model.kernels.native import load_native_ops
+from engine.model.runtime.kv_cache import CopyStaging, KVPool, copy_blocks, copy_blocks_serially
 from engine.outputs import TierOp
 
 

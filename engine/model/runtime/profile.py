@@ -1,6 +1,6 @@
 """Measure the activation peak of the largest steps the scheduler may build.
 
-Three shapes (engine/model/profile_shapes.py), the largest peak counted: fresh prefills
+Three shapes (engine/model/runtime/profile_shapes.py), the largest peak counted: fresh prefills
 of ``max_num_batched_tokens`` prompt tokens (split into sequences of at most
 ``max_model_len``), a prefill chunk behind a cached prefix that brings its context to
 ``max_model_len``, and a prefix-hit prefill (a block-aligned cached prefix). Each forward
@@ -22,10 +22,10 @@ import torch
 
 from engine.config import EngineArgs
 from engine.kv.accounting import KVShape
-from engine.model.attention import SequenceChunk, build_metadata
-from engine.model.kv_cache import KVPool, KVPoolLayout, PagedKVCache
-from engine.model.llama import LlamaModel
-from engine.model.profile_shapes import (
+from engine.model.kernels.metadata import SequenceChunk, build_metadata
+from engine.model.layers.decoder import LlamaModel
+from engine.model.runtime.kv_cache import KVPool, KVPoolLayout, PagedKVCache
+from engine.model.runtime.profile_shapes import (
     chunked_chunks,
     context_attention_bytes,
     fresh_chunks,

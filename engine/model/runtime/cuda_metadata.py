@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.model.attention import AttentionMetadata, SequenceChunk, VarlenTables
+from engine.model.kernels.metadata import AttentionMetadata, SequenceChunk, VarlenTables
 
 _INITIAL_ELEMENTS = 1 << 12
 

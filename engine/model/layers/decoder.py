@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention import AttentionMetadata, paged_attention
-from engine.model.cpu_decode import DecodeLayers
-from engine.model.kernels import TorchKernels
-from engine.model.kv_cache import PagedKVCache
-from engine.model.quant_linear import DenseLinear, Linear
+from engine.model.kernels.base import TorchKernels
+from engine.model.kernels.metadata import AttentionMetadata, paged_attention
+from engine.model.layers.linear import DenseLinear, Linear
+from engine.model.runtime.cpu_decode import DecodeLayers
+from engine.model.runtime.kv_cache import PagedKVCache
 from engine.model.spec import ModelSpec
 
 
@@ -96,10 +96,10 @@ class RotaryEmbedding:
 class LlamaModel:
     """The decoder: ``forward`` over a flattened mixed batch, ``logits`` for chosen rows.
 
-    ``kernels`` does the norms, rotary, activation and attention (engine/model/kernels.py);
+    ``kernels`` does the norms, rotary, activation and attention (engine/model/kernels/base.py);
     the projections are the weights' own ``Linear`` objects. With the native CPU kernels, a
     step of a few decodes runs every layer in one native call instead (``fast_decode``,
-    engine/model/cpu_decode.py: the same kernels in the same order, bit-identical).
+    engine/model/runtime/cpu_decode.py: the same kernels in the same order, bit-identical).
     """
 
     def __init__(

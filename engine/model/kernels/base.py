@@ -20,7 +20,7 @@ Contracts shared by both (``qkv`` is the fused projection output, ``[tokens, q +
   Triton backend only) attends every row of a ``meta.varlen`` step in one launch.
 
 ``select_kernels`` picks a backend from the ``--kernels`` flag (auto | native | torch |
-triton). On CUDA, auto means ``TritonKernels`` (engine/model/triton_kernels.py: Triton
+triton). On CUDA, auto means ``TritonKernels`` (kernels/triton/triton_kernels.py: Triton
 attention and KV write) when triton imports, else torch.
 """
 
@@ -31,14 +31,14 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention import (
+from engine.model.kernels.metadata import (
     AttentionMetadata,
     decode_attention_torch,
     prefill_attention_torch,
     split_heads,
 )
-from engine.model.kv_cache import PagedKVCache
-from engine.model.native import load_native_ops, native_ops_error
+from engine.model.kernels.native import load_native_ops, native_ops_error
+from engine.model.runtime.kv_cache import PagedKVCache
 from engine.model.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -282,7 +282,7 @@ def _triton_kernels(device: torch.device, required: bool) -> TorchKernels:
     """TritonKernels, imported lazily (a CPU-only process never loads triton); without
     triton, torch's kernels unless ``--kernels triton`` asked for it by name."""
     try:
-        from engine.model.triton_kernels import TritonKernels
+        from engine.model.kernels.triton.triton_kernels import TritonKernels
     except ImportError as exc:
         if required:
             raise ValueError(f"--kernels triton needs triton installed: {exc}") from exc

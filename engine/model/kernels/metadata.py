@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from engine.model.kv_cache import PagedKVCache
+from engine.model.runtime.kv_cache import PagedKVCache
 from engine.model.spec import ModelSpec
 
 if TYPE_CHECKING:
-    from engine.model.kernels import TorchKernels
+    from engine.model.kernels.base import TorchKernels
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class PrefillTables:
 @dataclass
 class VarlenTables:
     """Every sequence of a step for one varlen attention launch (the Triton backend; built
-    by engine/model/cuda_metadata.py). Sequence ``i`` owns rows ``[query_starts[i],
+    by engine/model/runtime/cuda_metadata.py). Sequence ``i`` owns rows ``[query_starts[i],
     query_starts[i + 1])`` and attends to its first ``seq_lens[i]`` keys (its new tokens'
     included) through ``block_table[i]``; decodes and drafts are one-row sequences."""
 

@@ -184,7 +184,7 @@ def copy_blocks_serially(src: KVPool, dst: KVPool, pairs: list[tuple[int, int]])
     """Copy whole blocks ``src_block -> dst_block`` between two CPU pools with memcpy on
     the calling thread alone: for a thread that copies beside the forward, where torch's
     own copies would start a second OpenMP team on the forward's cores. Needs the native
-    ops loaded (``engine.model.native.load_native_ops``)."""
+    ops loaded (``engine.model.kernels.native.load_native_ops``)."""
     sources, targets = [p[0] for p in pairs], [p[1] for p in pairs]
     for src_tensor, dst_tensor in zip(src.tensors(), dst.tensors(), strict=True):
         torch.ops.kvserve.copy_blocks_serial_(dst_tensor, src_tensor, sources, targets)

@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
-from engine.model.native import load_native_ops
+from engine.model.kernels.native import load_native_ops
 
 if TYPE_CHECKING:
-    from engine.model.llama import LayerWeights, LlamaWeights
+    from engine.model.layers.decoder import LayerWeights, LlamaWeights
 
 QUANTIZATION_METHODS: tuple[str, ...] = ("none", "int8", "int4")
 # Calls with at most this many rows take the row-major int8 kernel when it is loaded: up to

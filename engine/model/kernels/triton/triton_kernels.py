@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.attention import AttentionMetadata
-from engine.model.kernels import TorchKernels
-from engine.model.kv_cache import PagedKVCache
+from engine.model.kernels.base import TorchKernels
+from engine.model.kernels.metadata import AttentionMetadata
+from engine.model.kernels.triton.triton_attention import (
+    choose_num_splits,
+    interpreting,
+    unified_attention,
+)
+from engine.model.kernels.triton.triton_kv_write import write_kv
+from engine.model.runtime.kv_cache import PagedKVCache
 from engine.model.spec import ModelSpec
-from engine.model.triton_attention import choose_num_splits, interpreting, unified_attention
-from engine.model.triton_kv_write import write_kv
 
 # Streaming multiprocessors assumed when there is no GPU to ask (interpreter runs).
 _SMS_WITHOUT_GPU = 8
@@ -30,7 +34,7 @@ def triton_usable(device: torch.device) -> bool:
 
 
 class TritonKernels(TorchKernels):
-    """Triton attention and KV write (engine/model/triton_*.py) over torch's elementwise ops."""
+    """Triton attention and KV write (engine/model/kernels/triton/) over torch's elementwise ops."""
 
     name = "triton"
 

@@ -13,7 +13,7 @@ context adds, for the CPU, where the profile computes that part rather than meas
 from __future__ import annotations
 
 from engine.kv.accounting import KVShape, blocks_for_tokens, bytes_per_block
-from engine.model.attention import SequenceChunk
+from engine.model.kernels.metadata import SequenceChunk
 from engine.model.spec import ModelSpec
 
 # Bytes of the scores and probabilities (float32) per (head, query, key) when a backend

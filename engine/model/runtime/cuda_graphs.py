@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.model.attention import AttentionMetadata
-from engine.model.kv_cache import PagedKVCache
-from engine.model.llama import LlamaModel
+from engine.model.kernels.metadata import AttentionMetadata
+from engine.model.layers.decoder import LlamaModel
+from engine.model.runtime.kv_cache import PagedKVCache
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.triton_attention import KV_FP8, KV_INT8, kv_format, padded_head_dim
+from engine.model.kernels.triton.triton_attention import KV_FP8, KV_INT8, kv_format, padded_head_dim
 
 _QUANT_MAX = {KV_INT8: 127.0, KV_FP8: 448.0}
 
