@@ -47,14 +47,18 @@ class CudaModelRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.decode_graphs: DecodeGraphs | None = None
         self.step_metadata: StepMetadataBuilder | None = None
-        if uses_decode_graphs(self.model):
+        # A hybrid model's KV groups read a block table each: its steps run eagerly
+        # through ModelRunner's metadata (one table per group), without staged buffers.
+        if uses_decode_graphs(self.model) and self.num_groups == 1:
             self.step_metadata = StepMetadataBuilder(self.block_size, self.model.device)
         # The staged step of the batch being executed, for ``_sample_logits``.
         self._staged: tuple[list[ScheduledRequest], StagedStep] | None = None
 
     def start_decode_graphs(self, max_num_seqs: int, max_model_len: int, eager: bool) -> int:
         """Allocate the step buffers and, unless ``eager``, capture the graphs (the KV pool
-        must exist). Returns the bytes the graphs hold."""
+        must exist). Returns the bytes the graphs hold (0 for a hybrid model: eager)."""
+        if self.step_metadata is None:
+            return 0
         max_batch = min(max_num_seqs, MAX_CAPTURED_BATCH)
         graphs = DecodeGraphs(self.model, self.cache, max_batch, max_model_len, not eager)
         captured = graphs.capture()
@@ -101,7 +105,7 @@ def decode_graph_reserve(
     """Device bytes the decode graphs will hold, measured by capturing them once against a
     one-block scratch pool (graph capture reads no block: every row is padding), so the
     capacity plan can count them before the real pool is sized. 0 off CUDA."""
-    if model.device.type != "cuda" or not uses_decode_graphs(model):
+    if model.device.type != "cuda" or not uses_decode_graphs(model) or kv_shape.is_hybrid:
         return 0
     pool = KVPool(KVPoolLayout(kv_shape, 1, block_size), model.device)
     max_batch = min(max_num_seqs, MAX_CAPTURED_BATCH)

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.model.kernels.metadata import SequenceChunk, build_metadata
+from engine.kv.groups import layer_group_indices
+from engine.model.kernels.metadata import SequenceChunk, build_grouped_metadata
 from engine.model.layers.decoder import LlamaModel
 from engine.model.runtime.kv_cache import CopyStaging, KVPool, PagedKVCache, copy_blocks
 from engine.model.runtime.memory import measured_memory
@@ -42,6 +43,9 @@ class ModelRunner:
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.cache = PagedKVCache(device_pool, model.dtype)
+        shape = device_pool.layout.shape
+        self.num_groups = len(shape.kv_groups)
+        self.layer_groups = layer_group_indices(shape.kv_groups, shape.num_layers)
         self.staging = CopyStaging(device_pool.layout, device_pool.key.device)
         self.sampler = Sampler(eos_token_ids=eos_token_ids, seed=seed)
         self.grammar = _grammar_decoding(grammars)
@@ -86,8 +90,10 @@ class ModelRunner:
     def _hidden(self, batch: list[ScheduledRequest]) -> torch.Tensor:
         """Final hidden states ``[batch tokens, hidden]`` of the new tokens, in batch order."""
         model = self.model
-        meta_chunks = [chunk for r in batch for chunk in chunks(r)]
-        meta = build_metadata(meta_chunks, self.block_size, model.device)
+        by_group = [
+            [chunk for r in batch for chunk in chunks(r, group)] for group in range(self.num_groups)
+        ]
+        meta = build_grouped_metadata(by_group, self.layer_groups, self.block_size, model.device)
         flat_ids = [t for r in batch for t in r.token_ids]
         token_ids = torch.tensor(flat_ids, dtype=torch.long).to(model.device, non_blocking=True)
         return model.forward(token_ids, meta, self.cache)
@@ -180,16 +186,18 @@ def logits_rows(batch: list[ScheduledRequest]) -> list[int]:
     return plain_rows + verified_rows
 
 
-def chunks(request: ScheduledRequest) -> list[SequenceChunk]:
-    """The attention's view of a request's new tokens. A verification is one one-token
+def chunks(request: ScheduledRequest, group: int = 0) -> list[SequenceChunk]:
+    """The attention's view of a request's new tokens, through KV group ``group``'s block
+    table. A verification is one one-token
     decode per position (each attends to the cache up to itself; the K/V of every row is
     written before any row attends): the decode kernel then computes each position exactly
     as plain decoding would, so greedy output is identical in bf16 too, where a prefill
     kernel's different rounding flips near-ties. It reads the context once per position."""
     start, count = request.num_computed_tokens, request.num_new_tokens
+    table = request.block_tables[group]
     if request.num_draft_tokens:
-        return [SequenceChunk(start + i, 1, request.block_ids) for i in range(count)]
-    return [SequenceChunk(start, count, request.block_ids)]
+        return [SequenceChunk(start + i, 1, table) for i in range(count)]
+    return [SequenceChunk(start, count, table)]
 
 
 def _is_decode(request: ScheduledRequest) -> bool:

@@ -113,6 +113,25 @@ def padding_layers(groups: Sequence[KVGroup]) -> int:
     return sum(slots - len(group.layers) for group in groups)
 
 
+def layer_slots(groups: Sequence[KVGroup], num_layers: int) -> tuple[int, ...]:
+    """Each layer's slot in a page: its position within its group (the layer itself for
+    a model of one group)."""
+    slots = [0] * num_layers
+    for group in groups:
+        for slot, layer in enumerate(group.layers):
+            slots[layer] = slot
+    return tuple(slots)
+
+
+def layer_group_indices(groups: Sequence[KVGroup], num_layers: int) -> tuple[int, ...]:
+    """Each layer's group index (whose block table its attention reads)."""
+    owners = [0] * num_layers
+    for index, group in enumerate(groups):
+        for layer in group.layers:
+            owners[layer] = index
+    return tuple(owners)
+
+
 def check_partition(groups: Sequence[KVGroup], num_layers: int) -> None:
     """Raise ValueError unless ``groups`` cover layers 0..num_layers-1 exactly once."""
     seen = sorted(layer for group in groups for layer in group.layers)

@@ -10,6 +10,7 @@ from engine.builder import build_engine
 from engine.config import CacheConfig, EngineArgs, SchedulerConfig
 from engine.core import EngineCore
 from engine.kv.accounting import KVShape
+from engine.kv.groups import KVGroup
 from engine.model.layers.decoder import LlamaModel
 from engine.model.runtime.kv_cache import KVPool, KVPoolLayout
 from engine.request import Request, SamplingParams
@@ -25,9 +26,11 @@ def make_core(
     eos_token_ids: tuple[int, ...] = (),
     kv_dtype: str = "float32",
     grammars: GrammarCompiler | None = None,
+    groups: tuple[KVGroup, ...] = (),
 ) -> EngineCore:
+    """A real engine over ``model``; ``groups`` sets its KV groups (default: one)."""
     spec = model.spec
-    shape = KVShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype)
+    shape = KVShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype, groups)
     device_pool = KVPool(
         KVPoolLayout(shape, cache.num_device_blocks, cache.block_size), model.device
     )

@@ -82,7 +82,17 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     prefill_tables: PrefillTables | None
     varlen: VarlenTables | None = None
+    # A model of several KV groups (engine/kv/groups.py): each layer's group, and every
+    # group's metadata (this one is group 0's). None for one group: every layer reads this.
+    layer_groups: tuple[int, ...] | None = None
+    group_metas: list[AttentionMetadata] | None = None
     _decode_padding: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata of the KV group whose block tables ``layer`` reads."""
+        if self.layer_groups is None or self.group_metas is None:
+            return self
+        return self.group_metas[self.layer_groups[layer]]
 
     def decode_padding(self, keys: int) -> torch.Tensor:
         """``[num_decodes, keys]``, True past each decode's context (its table's pad blocks,
@@ -99,16 +109,25 @@ class AttentionMetadata:
 
 
 def build_metadata(
-    chunks: list[SequenceChunk], block_size: int, device: torch.device
+    chunks: list[SequenceChunk],
+    block_size: int,
+    device: torch.device,
+    positions: torch.Tensor | None = None,
 ) -> AttentionMetadata:
     """Metadata for ``chunks``, which must list every decode (num_new == 1, num_computed > 0)
-    before any prefill chunk."""
-    positions: list[int] = []
+    before any prefill chunk. ``positions`` may pass the step's positions tensor when it is
+    already built (every KV group shares it). A table's ``NULL_BLOCK`` entries (a sliding
+    group's blocks before its window) become block 0 in the tensors: no kernel reads a
+    block before a layer's window, and the torch kernels mask what they gather there."""
     slots: list[int] = []
     for chunk in chunks:
-        for pos in range(chunk.num_computed, chunk.num_computed + chunk.num_new):
-            positions.append(pos)
-            slots.append(chunk.block_ids[pos // block_size] * block_size + pos % block_size)
+        slots += _chunk_slots(chunk, block_size)
+    if positions is None:
+        positions = torch.tensor(
+            [p for c in chunks for p in range(c.num_computed, c.num_computed + c.num_new)],
+            dtype=torch.long,
+            device=device,
+        )
     num_decodes = 0
     while num_decodes < len(chunks) and _is_decode(chunks[num_decodes]):
         num_decodes += 1
@@ -116,13 +135,46 @@ def build_metadata(
     prefill_chunks = chunks[num_decodes:]
     return AttentionMetadata(
         slots=torch.tensor(slots, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        positions=positions,
         num_decodes=num_decodes,
         decode_block_table=table,
         decode_context_lens=lengths,
         prefills=_prefill_spans(chunks, num_decodes, block_size, device),
         prefill_tables=_prefill_tables(prefill_chunks, block_size, device),
     )
+
+
+def build_grouped_metadata(
+    chunks_by_group: list[list[SequenceChunk]],
+    layer_groups: tuple[int, ...],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """One ``build_metadata`` per KV group (``chunks_by_group[g]`` reads group g's block
+    tables), linked so each layer finds its group's (``for_layer``)."""
+    first = build_metadata(chunks_by_group[0], block_size, device)
+    if len(chunks_by_group) == 1:
+        return first
+    metas = [first] + [
+        build_metadata(chunks, block_size, device, first.positions)
+        for chunks in chunks_by_group[1:]
+    ]
+    first.layer_groups = layer_groups
+    first.group_metas = metas
+    return first
+
+
+def _chunk_slots(chunk: SequenceChunk, block_size: int) -> list[int]:
+    """Flat cache slots of a chunk's new tokens, a block's run at a time."""
+    slots: list[int] = []
+    position, end = chunk.num_computed, chunk.num_computed + chunk.num_new
+    while position < end:
+        index, offset = divmod(position, block_size)
+        run = min(end - position, block_size - offset)
+        base = chunk.block_ids[index] * block_size
+        slots += range(base + offset, base + offset + run)
+        position += run
+    return slots
 
 
 def _is_decode(chunk: SequenceChunk) -> bool:
@@ -143,7 +195,7 @@ def _decode_tables(
         table.extend(used + [used[0]] * (max_blocks - len(used)))
     lengths = torch.tensor(context, dtype=torch.long, device=device)
     block_table = torch.tensor(table, dtype=torch.long, device=device).view(len(decodes), -1)
-    return block_table, lengths
+    return block_table.clamp_(min=0), lengths
 
 
 def _prefill_spans(
@@ -160,7 +212,7 @@ def _prefill_spans(
                 start=start,
                 end=end,
                 num_computed=chunk.num_computed,
-                block_ids=torch.tensor(blocks, dtype=torch.long, device=device),
+                block_ids=torch.tensor(blocks, dtype=torch.long, device=device).clamp_(min=0),
             )
         )
         start = end
@@ -179,7 +231,7 @@ def _prefill_tables(
     for chunk in chunks:
         starts.append(starts[-1] + chunk.num_new)
     return PrefillTables(
-        block_table=torch.tensor(table, dtype=torch.long, device=device),
+        block_table=torch.tensor(table, dtype=torch.long, device=device).clamp_(min=0),
         query_starts=torch.tensor(starts, dtype=torch.long, device=device),
         num_computed=torch.tensor(
             [c.num_computed for c in chunks], dtype=torch.long, device=device
@@ -199,8 +251,10 @@ def paged_attention(
     """Write this step's K/V into the cache, then attend every row to its context.
 
     ``qkv`` is the rotated ``[tokens, q_size + 2 * kv_size]`` projection output.
-    Returns ``[tokens, heads * head_dim]``.
+    Returns ``[tokens, heads * head_dim]``. ``meta`` is the step's; the layer reads its KV
+    group's block tables.
     """
+    meta = meta.for_layer(layer)
     kernels.write_kv(cache, layer, qkv, meta.slots, spec)
     if meta.varlen is not None:  # the whole batch in one launch
         return kernels.varlen_attention(cache, layer, qkv, meta, spec, scale)

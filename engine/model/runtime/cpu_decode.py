@@ -98,11 +98,13 @@ class DecodeLayers:
 
     @staticmethod
     def serves(meta: AttentionMetadata, cache: PagedKVCache) -> bool:
-        """Whether a step can take the path: a few decodes, no prefill, a plain cache."""
+        """Whether a step can take the path: a few decodes, no prefill, a plain cache, one
+        KV group (the native loop reads one block table for every layer)."""
         return (
             0 < meta.num_decodes <= MAX_ROWS
             and not meta.prefills
             and meta.varlen is None
+            and meta.group_metas is None
             and not cache.is_quantized
             and cache.pool.key.dtype in _CACHE_DTYPES
         )

@@ -1,10 +1,15 @@
 """KV block tensors: allocated once, written by slot, read by block table.
 
-Layout per pool: K and V are each ``[layers, kv_heads, blocks, block_size, head_dim]``.
+Layout per pool: K and V are each ``[page_layers, kv_heads, blocks, block_size, head_dim]``.
 Putting the head dimension before the block dimension means that gathering a batch's
 block tables for one layer is a single ``index_select`` whose result already has the
 ``[kv_heads, batch, tokens, head_dim]`` shape batched matmul wants: no permute copies on
 the decode hot path.
+
+A block is a page of ``page_layers`` layer slots (engine/kv/groups.py): every layer for a
+model of one KV group; for a hybrid model the slots a group's layers take, so the j-th
+layer of every group shares slot j and a block id means one page whichever group holds
+it. ``PagedKVCache.layer(l)`` resolves layer l to its slot.
 
 Quantized caches (int8, fp8) store one float32 scale per (token, KV head) for K and for V
 beside the blocks, exactly as engine/kv/accounting.py counts them.
@@ -21,6 +26,7 @@ import torch
 
 from engine.kv import accounting
 from engine.kv.accounting import KVShape
+from engine.kv.groups import layer_slots
 
 _STORAGE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -90,7 +96,7 @@ class KVPool:
     def __init__(self, layout: KVPoolLayout, device: torch.device, pin_memory: bool = False):
         self.layout = layout
         kv = layout.shape
-        dims = (kv.num_layers, kv.num_kv_heads, layout.num_blocks, layout.block_size)
+        dims = (kv.page_layers, kv.num_kv_heads, layout.num_blocks, layout.block_size)
         dtype = _STORAGE_DTYPES[kv.kv_dtype]
         pin = pin_memory and device.type == "cpu" and torch.cuda.is_available()
         self.key = _zeros((*dims, kv.head_dim), dtype, device, pin)
@@ -226,6 +232,8 @@ class PagedKVCache:
         kv = pool.layout.shape
         self.block_size = pool.layout.block_size
         self.quant_max = _QUANT_MAX.get(kv.kv_dtype)
+        # Layer -> its slot in a page (the layer itself for a model of one group).
+        self.slots = layer_slots(kv.kv_groups, kv.num_layers)
 
     @property
     def is_quantized(self) -> bool:
@@ -233,14 +241,16 @@ class PagedKVCache:
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K and V blocks, ``[kv_heads, num_blocks, block_size, head_dim]`` each."""
-        return self.pool.key[layer], self.pool.value[layer]
+        slot = self.slots[layer]
+        return self.pool.key[slot], self.pool.value[slot]
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """A quantized cache's per-token K and V scales for one layer,
         ``[kv_heads, num_blocks, block_size]`` each; (None, None) when unquantized."""
         if self.pool.key_scale is None or self.pool.value_scale is None:
             return None, None
-        return self.pool.key_scale[layer], self.pool.value_scale[layer]
+        slot = self.slots[layer]
+        return self.pool.key_scale[slot], self.pool.value_scale[slot]
 
     def write(
         self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
@@ -265,6 +275,7 @@ class PagedKVCache:
         scales: torch.Tensor | None,
     ) -> None:
         heads, _, _, head_dim = cache.shape[1:]
+        layer = self.slots[layer]
         flat = cache[layer].view(heads, -1, head_dim)
         per_head = states.transpose(0, 1)  # [kv_heads, tokens, head_dim]
         if scales is None or self.quant_max is None:
@@ -288,6 +299,7 @@ class PagedKVCache:
         scales: torch.Tensor | None,
     ) -> torch.Tensor:
         heads, num_blocks, _, head_dim = cache.shape[1:]
+        layer = self.slots[layer]
         # Selecting whole flattened blocks (rows of block_size * head_dim) is several times
         # faster on the CPU than index_select over a 4-D tensor's block dimension.
         rows = cache[layer].view(heads, num_blocks, -1)
