@@ -85,6 +85,8 @@
     fillList($("totals"), [
       ["model", escapeHtml(`${f.model} on ${f.device} (${f.dtype})`)],
       ["KV shape", `L=${k.num_layers}, H<sub>kv</sub>=${k.num_kv_heads}, d<sub>head</sub>=${k.head_dim}, ${escapeHtml(k.kv_dtype)} (${k.element_bytes} B/element)`],
+      ...(k.groups.length > 1 || k.groups[0].window != null
+        ? [["KV groups", describeGroups(k), "total-kv-groups"]] : []),
       ["device blocks", `${int(f.device_blocks)} × ${k.block_size} tokens = ${int(f.token_capacity)} tokens`, "total-device-blocks"],
       ["bytes per token", formatBytes(k.bytes_per_token), "total-bytes-per-token"],
       ["bytes per block", formatBytes(k.bytes_per_block)],
@@ -100,21 +102,42 @@
     renderPlan();
   }
 
-  // The arithmetic of engine/kv/accounting.py (bytes_per_token, blocks_for_tokens,
-  // plan_capacity), on the per-token figures the server computed with it.
+  // "5 × sliding_1024 (2 layers), 1 × full (2 layers); a block holds 2 layers"
+  function describeGroups(k) {
+    const kinds = new Map();
+    for (const g of k.groups) {
+      const key = `${g.label} (${g.num_layers} layer${g.num_layers === 1 ? "" : "s"})`;
+      kinds.set(key, (kinds.get(key) || 0) + 1);
+    }
+    const parts = [...kinds].map(([key, count]) => `${count} × ${escapeHtml(key)}`);
+    return `${parts.join(", ")}; a block holds ${k.page_layers} layer${k.page_layers === 1 ? "" : "s"}`;
+  }
+
+  // engine/kv/groups.py's KVGroup.max_blocks: ceil(t / S), or for a window at most
+  // ceil((W - 1) / S) + 1.
+  function groupBlocks(g, t, blockSize) {
+    const full = Math.ceil(t / blockSize);
+    return g.window == null ? full : Math.min(full, Math.ceil((g.window - 1) / blockSize) + 1);
+  }
+
+  // The arithmetic of engine/kv/accounting.py (bytes_per_token, payload_bytes,
+  // blocks_per_sequence, plan_capacity), on the per-token figures the server computed.
   function plan(t, n) {
     const f = state.facts;
     const k = f.kv_shape;
-    const perToken = 2 * k.num_layers * k.num_kv_heads * (k.head_dim * k.element_bytes + k.scale_bytes);
-    const blocksPerSeq = Math.ceil(t / k.block_size);
+    const layerToken = 2 * k.num_kv_heads * (k.head_dim * k.element_bytes + k.scale_bytes);
+    const perToken = k.num_layers * layerToken;
+    const blocksPerSeq = k.groups.reduce((sum, g) => sum + groupBlocks(g, t, k.block_size), 0);
+    const payloadPerSeq = k.groups.reduce(
+      (sum, g) => sum + g.num_layers * layerToken * (g.window == null ? t : Math.min(t, g.window)), 0);
     const blocks = blocksPerSeq * n;
     return {
       bytes_per_token: perToken,
       matches_server: perToken === k.bytes_per_token,
-      payload_bytes: perToken * t * n,
+      payload_bytes: payloadPerSeq * n,
       blocks,
       allocated_bytes: blocks * k.bytes_per_block,
-      padding_bytes: blocks * k.bytes_per_block - perToken * t * n,
+      padding_bytes: blocks * k.bytes_per_block - payloadPerSeq * n,
       fits: blocks <= f.device_blocks,
       max_seqs: blocksPerSeq ? Math.floor(f.device_blocks / blocksPerSeq) : 0,
     };
@@ -345,8 +368,18 @@
     set("count-payload", formatBytes(t.payload_bytes));
     set("count-allocated", formatBytes(t.allocated_bytes));
     set("count-shared", formatBytes(t.shared_bytes));
+    const groups = t.groups || [];
+    $("count-groups").hidden = !groups.length;
+    $("count-groups").innerHTML = groups.map((g, i) =>
+      `<span>group ${i} ${escapeHtml(g.label)}: <b>${int(g.used)}</b> used, ${int(g.cached)} cached, ` +
+      `${formatBytes(g.payload_bytes)} / ${formatBytes(g.allocated_bytes)}</span>`).join("");
     set("count-seq", snap.seq);
     set("count-capture", `${snap.capture_ms.toFixed(2)} ms`);
+  }
+
+  // Blocks per KV group ("by group: 3 + 3 + 40"), for a hybrid model's rows.
+  function groupSplit(r) {
+    return r.group_blocks && r.group_blocks.length > 1 ? `by group: ${r.group_blocks.join(" + ")}` : "";
   }
 
   function renderRequests(snap) {
@@ -360,7 +393,7 @@
       return `<tr data-id="${escapeHtml(r.id)}" data-state="${r.state}"${sel}>` +
         `<td>${escapeHtml(r.id)}</td><td class="state-${r.state}">${r.state}</td>` +
         `<td>${r.priority}</td><td>${int(r.prompt_tokens)}</td><td>${int(r.generated_tokens)}</td>` +
-        `<td>${int(r.blocks)}${where}</td>` +
+        `<td title="${escapeHtml(groupSplit(r))}">${int(r.blocks)}${where}</td>` +
         `<td>${formatBytes(r.payload_bytes)} / ${formatBytes(r.allocated_bytes)}</td>` +
         `<td>${int(r.prefix_hit_tokens)}</td><td>${r.time_in_state_s.toFixed(1)} s</td></tr>`;
     }).join("");
