@@ -25,9 +25,10 @@ from engine.kv import accounting
 from engine.kv.accounting import CapacityPlan, KVShape, TierCapacity
 from engine.kv.disk_store import DiskFingerprint, DiskStore
 from engine.kv.tiers import TieredPrefixCache
-from engine.model.kernels.base import select_kernels
-from engine.model.layers.decoder import LlamaModel
-from engine.model.layers.linear import check_quantization, quantize_weights
+from engine.model.kernels.select import select_kernels
+from engine.model.layers.decoder import DecoderModel
+from engine.model.layers.linear import check_quantization
+from engine.model.layers.quantize import quantize_weights
 from engine.model.loader import ModelSource, load_model, load_tokenizer
 from engine.model.runtime.kv_cache import KVPool, KVPoolLayout
 from engine.model.runtime.profile import measure_activation_peak
@@ -346,7 +347,7 @@ def _max_step_time_s(args: EngineArgs, device: torch.device) -> float:
 
 def _log_startup(
     source: ModelSource,
-    model: LlamaModel,
+    model: DecoderModel,
     quantization: str,
     kv_shape: KVShape,
     plan: CapacityPlan,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.model.kernels.metadata import SequenceChunk, build_metadata
-from engine.model.layers.decoder import LlamaModel
+from engine.model.layers.decoder import DecoderModel
 from engine.model.runtime.kv_cache import CopyStaging, KVPool, PagedKVCache, copy_blocks
 from engine.model.runtime.memory import measured_memory
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -31,7 +31,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         device_pool: KVPool,
         host_pool: KVPool | None = None,
         eos_token_ids: tuple[int, ...] = (),

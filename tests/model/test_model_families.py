@@ -67,9 +67,12 @@ def test_llama3_rope_scaling_matches_transformers():
     assert_parity(LlamaForCausalLM(config))
 
 
-def test_mistral_sliding_window_limits_the_served_context():
+def test_mistral_slides_every_layer_and_serves_its_whole_context():
     from transformers import MistralConfig
 
     spec = spec_from_hf_config(small(MistralConfig, sliding_window=128))
-    assert spec.sliding_window == 128 and spec.context_limit == 128
-    assert spec_from_hf_config(small(MistralConfig, sliding_window=None)).context_limit == 512
+    assert spec.layer_windows == (128, 128) and spec.context_limit == 512
+    assert spec_from_hf_config(small(MistralConfig, sliding_window=None)).layer_windows == (
+        None,
+        None,
+    )

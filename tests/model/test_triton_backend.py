@@ -9,7 +9,9 @@ import torch
 
 from tests.model.triton_setup import DEVICE  # isort: skip  (sets TRITON_INTERPRET first)
 from engine.config import CacheConfig, SchedulerConfig
-from engine.model.kernels.base import NativeKernels, TorchKernels, select_kernels
+from engine.model.kernels.base import TorchKernels
+from engine.model.kernels.native import NativeKernels
+from engine.model.kernels.select import select_kernels
 from engine.model.kernels.triton.triton_kernels import TritonKernels
 from engine.model.loader import model_from_reference
 from tests.model.engine_helpers import greedy, make_core, reference_greedy, run_all
