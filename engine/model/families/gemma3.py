@@ -6,7 +6,7 @@ checkpoint): Gemma 2's layers with QK-norm, five local layers to one global.
   ``rope_local_base_freq``, the global one with its own scaling), one table each.
 - ``q_norm`` / ``k_norm`` are Gemma norms over each head (``1 + w``, float32).
 - No attention soft-cap (transformers' Gemma 3 does not apply ``attn_logit_softcapping``);
-  the final logits are soft-capped when the config says so.
+  the text model's final logits are soft-capped when its config says so.
 - A multimodal checkpoint keeps its text model under ``model.language_model.``; the
   vision tower is not loaded into kvserve's model and images are not served.
 """
@@ -36,10 +36,13 @@ MULTIMODAL_TEXT_PREFIX = "model.language_model."
 
 def decoder_options(config: Any, dtype: torch.dtype) -> DecoderOptions:
     text = config.get_text_config()
+    multimodal = config.model_type != "gemma3_text"
     return DecoderOptions(
         qk_norm=QK_NORM_PER_HEAD,
         attention_scale=float(text.query_pre_attn_scalar) ** -0.5,
-        final_softcap=text.final_logit_softcapping,
+        # transformers' multimodal model never soft-caps its logits (Gemma 3's own configs
+        # set no cap, so the two agree on real checkpoints).
+        final_softcap=None if multimodal else text.final_logit_softcapping,
         embedding_scale=embedding_scale(text, dtype),
     )
 

@@ -118,9 +118,11 @@ class DecodeWindow:
     ) -> DecodeWindow:
         count = min(table.shape[1], -(-(window - 1) // block_size) + 1)
         first = (context_lens - window).clamp_min(0) // block_size  # [rows]
+        last = (context_lens - 1) // block_size  # -1 for a padding row (context 0)
         steps = torch.arange(count, device=table.device)
-        # Past a row's last block the index repeats it; those keys lie past the context.
-        index = (first[:, None] + steps).clamp_max(table.shape[1] - 1)
+        # Past a row's last block the index repeats it (never a pad entry, which may be a
+        # placeholder block); the keys there lie past the context and are masked.
+        index = torch.minimum(first[:, None] + steps, last[:, None]).clamp_min(0)
         keys = torch.arange(count * block_size, device=table.device)
         positions = first[:, None] * block_size + keys  # of the keys as laid out, unclamped
         hidden = (positions >= context_lens[:, None]) | (
