@@ -33,8 +33,8 @@ from engine.model.layers.linear import (
 )
 from engine.model.layers.quantize import quantize_weights
 from engine.model.loader import ModelSource, load_model, model_from_reference
+from tests.model.family_models import FAMILIES, base, random_reference
 from tests.model.paged import BlockTables, make_cache, run_step
-from tests.model.test_model_families import FAMILIES, base, random_reference
 
 PROMPT = [(13 * i + 7) % 250 for i in range(40)]
 
