@@ -53,7 +53,7 @@ class AttentionLayer:
     ) -> torch.Tensor:
         qkv = weights.qkv(x)
         if self.qk_norm is not None:
-            qkv = _normalize_qk(qkv, weights, self.qk_norm, spec, kernels)
+            qkv = normalize_qk(qkv, weights, self.qk_norm, spec, kernels)
         qkv = kernels.rotary(qkv, meta.positions, self.rope.cos, self.rope.sin, spec)
         attended = paged_attention(self.index, qkv, spec, cache, meta, self.params, kernels)
         return weights.o_proj(attended)
@@ -85,7 +85,7 @@ def paged_attention(
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
-def _normalize_qk(
+def normalize_qk(
     qkv: torch.Tensor, weights: AttentionWeights, mode: str, spec: ModelSpec, kernels: Kernels
 ) -> torch.Tensor:
     """RMSNorm the query and key parts of ``qkv`` in place (values untouched)."""
