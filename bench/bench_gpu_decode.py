@@ -29,10 +29,13 @@ import torch
 from bench_kernels import SMOLLM2  # the script's folder is on sys.path (bench/ is no package)
 
 from engine.kv.accounting import KVShape, bytes_per_token
-from engine.model.layers.decoder import LayerWeights, LlamaModel, LlamaWeights, RotaryEmbedding
+from engine.model.layers.attention import AttentionWeights
+from engine.model.layers.decoder import DecoderModel, LayerWeights, ModelWeights
 from engine.model.layers.linear import DenseLinear
+from engine.model.layers.mlp import GatedMLP
+from engine.model.layers.rotary import RotaryEmbedding
 from engine.model.runtime.kv_cache import KVPool, KVPoolLayout, PagedKVCache
-from engine.model.spec import ModelSpec
+from engine.model.spec import DEFAULT_ROPE, ModelSpec
 
 PRESETS: dict[str, ModelSpec] = {
     "llama-1b": ModelSpec(
@@ -93,7 +96,7 @@ def step_bytes(spec: ModelSpec, kv: KVShape, element: int, batch: int, context: 
     return StepBytes(weight_bytes(spec, element), batch * context * bytes_per_token(kv))
 
 
-def random_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+def random_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> DecoderModel:
     from engine.model.kernels.triton.triton_kernels import TritonKernels
 
     def dense(rows: int, cols: int) -> DenseLinear:
@@ -105,20 +108,21 @@ def random_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> L
     hidden, inter = spec.hidden_size, spec.intermediate_size
     layers = [
         LayerWeights(
+            attention=AttentionWeights(
+                qkv=dense(spec.q_size + 2 * spec.kv_size, hidden),
+                o_proj=dense(hidden, spec.q_size),
+            ),
+            mlp=GatedMLP(gate_up=dense(2 * inter, hidden), down=dense(hidden, inter)),
             input_norm=norm(),
-            qkv=dense(spec.q_size + 2 * spec.kv_size, hidden),
-            o_proj=dense(hidden, spec.q_size),
-            post_norm=norm(),
-            gate_up=dense(2 * inter, hidden),
-            down=dense(hidden, inter),
+            pre_mlp_norm=norm(),
         )
         for _ in range(spec.num_layers)
     ]
     embed = torch.randn(spec.vocab_size, hidden, dtype=dtype, device=device)
-    weights = LlamaWeights(embed, layers, norm(), DenseLinear(embed))
+    weights = ModelWeights(embed, layers, norm(), DenseLinear(embed))
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, spec.head_dim, 2) / spec.head_dim))
     rope = RotaryEmbedding(inv_freq, 1.0, 16384, dtype, device)
-    return LlamaModel(spec, weights, rope, TritonKernels(device))
+    return DecoderModel(spec, weights, {DEFAULT_ROPE: rope}, TritonKernels(device))
 
 
 def peak_bandwidth(device: torch.device, override_gbs: float | None) -> float:
@@ -145,7 +149,7 @@ def time_decode(graphs: object, batch: int, context: int, steps: int, block_ids:
     return (time.perf_counter() - start) / steps
 
 
-def run_batch(args: argparse.Namespace, model: LlamaModel, kv: KVShape, batch: int) -> dict:
+def run_batch(args: argparse.Namespace, model: DecoderModel, kv: KVShape, batch: int) -> dict:
     from engine.model.runtime.cuda_graphs import DecodeGraphs
 
     max_len = args.context + args.steps + 8

@@ -31,9 +31,10 @@ from functools import partial
 
 import torch
 
-from engine.model.kernels.base import NativeKernels, TorchKernels
+from engine.model.kernels.base import TorchKernels
 from engine.model.kernels.metadata import AttentionMetadata, SequenceChunk, build_metadata
-from engine.model.kernels.native import load_native_ops
+from engine.model.kernels.native import NativeKernels, load_native_ops
+from engine.model.kernels.params import AttentionParams
 from engine.model.layers.linear import Int4Linear, Int8Linear, Linear
 from engine.model.runtime.kv_cache import KVPool, KVPoolLayout, PagedKVCache
 from engine.model.spec import ModelSpec
@@ -113,7 +114,9 @@ def attend_all_layers(
 ) -> None:
     spec = SMOLLM2
     for layer in range(spec.num_layers):
-        kernels.decode_attention(cache, layer, qkv, meta, spec, spec.head_dim**-0.5)
+        kernels.decode_attention(
+            cache, layer, qkv, meta, spec, AttentionParams(spec.head_dim**-0.5)
+        )
 
 
 def fbgemm_all(layers: list[Int8Linear], inputs: dict[int, torch.Tensor]) -> None:

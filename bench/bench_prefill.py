@@ -29,16 +29,18 @@ import torch
 
 from engine.builder import build_engine
 from engine.config import EngineArgs
-from engine.model.kernels.base import NativeKernels, TorchKernels
+from engine.model.kernels.base import TorchKernels
 from engine.model.kernels.metadata import SequenceChunk, build_metadata
+from engine.model.kernels.native import NativeKernels
+from engine.model.kernels.params import AttentionParams
 from engine.request import Request, SamplingParams
 
 
 class SdpaPrefillKernels(NativeKernels):
     """The native kernels with prefill attention done by torch's SDPA (the old path)."""
 
-    def prefill_attention(self, cache, layer, qkv, meta, spec, scale):  # type: ignore[no-untyped-def]
-        return TorchKernels.prefill_attention(self, cache, layer, qkv, meta, spec, scale)
+    def prefill_attention(self, cache, layer, qkv, meta, spec, params):  # type: ignore[no-untyped-def]
+        return TorchKernels.prefill_attention(self, cache, layer, qkv, meta, spec, params)
 
 
 def cpu_description() -> str:
@@ -76,10 +78,10 @@ def attention_seconds(model, cache, prompt_len: int, chunk: int, kernels) -> flo
         [SequenceChunk(prompt_len - new, new, blocks)], cache.block_size, model.device
     )
     qkv = torch.randn(new, spec.q_size + 2 * spec.kv_size, dtype=model.dtype)
-    scale = spec.head_dim**-0.5
-    kernels.prefill_attention(cache, 0, qkv, meta, spec, scale)  # warm
+    params = AttentionParams(spec.head_dim**-0.5)
+    kernels.prefill_attention(cache, 0, qkv, meta, spec, params)  # warm
     start = time.perf_counter()
-    kernels.prefill_attention(cache, 0, qkv, meta, spec, scale)
+    kernels.prefill_attention(cache, 0, qkv, meta, spec, params)
     return (time.perf_counter() - start) * spec.num_layers
 
 

@@ -1,7 +1,7 @@
 """The memory floor of a single-stream decode token, per weight format.
 
 A batch-1 decode step streams the weights its few-row kernels read once
-(``LlamaWeights.decode_nbytes``: the projections' few-row copies, the norms, the LM head);
+(``ModelWeights.decode_nbytes``: the projections' few-row copies, the norms, the LM head);
 at the machine's read bandwidth that is the shortest a token can take. This loads the
 embedded model in each format, measures the bandwidth (a torch sum over 512 MiB, all
 threads, median of 9, before and after), and prints bytes and floor; the inter-token

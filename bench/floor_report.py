@@ -3,7 +3,7 @@
 Reads the rounds of ``bench/compare_servers.py --interleave N --read-bandwidth``: for each
 round and kvserve format, the ITL median of its load-test run, the read bandwidth measured
 just before and just after that run (a torch sum of 512 MiB, as bench/decode_floor.py),
-the floor (the bytes a decode token streams, ``LlamaWeights.decode_nbytes``, over the mean
+the floor (the bytes a decode token streams, ``ModelWeights.decode_nbytes``, over the mean
 of the two), and the ratio ITL / floor. Then per format the median ratio over the rounds
 and the worst. On a VM whose bandwidth drifts by 1.2-1.5x within minutes, a latency is
 only comparable with the bandwidth of the same minute.

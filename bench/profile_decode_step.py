@@ -22,7 +22,7 @@ import torch
 
 from engine.builder import build_engine
 from engine.config import EngineArgs
-from engine.model.layers.linear import DenseLinear
+from engine.model.layers.linear import DenseLinear, linear_layers
 from engine.request import Request, SamplingParams
 
 
@@ -31,9 +31,7 @@ def bf16_kernel_layers(core: object) -> list[DenseLinear]:
     AVX512_BF16: the builder only turns it on where it runs)."""
     weights = core.runner.model.weights  # type: ignore[attr-defined]
     linears = [weights.lm_head] + [
-        linear
-        for layer in weights.layers
-        for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        linear for layer in weights.layers for linear in linear_layers(layer)
     ]
     return [x for x in linears if isinstance(x, DenseLinear) and x.rowwise]
 
@@ -44,9 +42,9 @@ def set_fast_decode(core: object, on: bool) -> object:
     model = core.runner.model  # type: ignore[attr-defined]
     if not hasattr(model, "fast_decode"):
         return None
-    from engine.model.runtime.cpu_decode import DecodeLayers
+    from engine.model.layers.decoder import fast_decode_path
 
-    built = DecodeLayers.build(model.weights)
+    built = fast_decode_path(model)
     model.fast_decode = built if on else None
     return built
 

@@ -25,9 +25,10 @@ from engine.kv import accounting
 from engine.kv.accounting import CapacityPlan, KVShape, TierCapacity
 from engine.kv.disk_store import DiskFingerprint, DiskStore
 from engine.kv.tiers import TieredPrefixCache
-from engine.model.kernels.base import select_kernels
-from engine.model.layers.decoder import LlamaModel
-from engine.model.layers.linear import check_quantization, quantize_weights
+from engine.model.kernels.select import select_kernels
+from engine.model.layers.decoder import DecoderModel
+from engine.model.layers.linear import check_quantization
+from engine.model.layers.quantize import quantize_weights
 from engine.model.loader import ModelSource, load_model, load_tokenizer
 from engine.model.runtime.kv_cache import KVPool, KVPoolLayout
 from engine.model.runtime.profile import measure_activation_peak
@@ -133,7 +134,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     model = model.replace(weights=quantized, kernels=kernels)
     max_model_len = _max_model_len(args, model.spec.context_limit)
     kv_dtype = accounting.resolve_kv_dtype(args.kv_cache_dtype, dtype_name(dtype), args.dtype)
-    kv_shape = model.spec.kv_shape(kv_dtype)
+    kv_shape = model.spec.kv_shape(kv_dtype, hybrid=not args.disable_hybrid_kv_cache_manager)
     weight_bytes = model.weights.nbytes
     activation = measure_activation_peak(model, kv_shape, args, max_model_len)
     if not args.enforce_eager:  # the decode CUDA graphs' memory, measured (0 off CUDA)
@@ -346,7 +347,7 @@ def _max_step_time_s(args: EngineArgs, device: torch.device) -> float:
 
 def _log_startup(
     source: ModelSource,
-    model: LlamaModel,
+    model: DecoderModel,
     quantization: str,
     kv_shape: KVShape,
     plan: CapacityPlan,
@@ -380,11 +381,28 @@ def _log_startup(
         fmt(plan.bytes_per_token),
         fmt(plan.bytes_per_block),
     )
+    for index, group in enumerate(plan.groups):
+        logger.info(
+            "KV group %d (%s, %d layers): %d blocks per max_model_len sequence, payload %s",
+            index,
+            group.label,
+            group.num_layers,
+            group.blocks_per_max_len_seq,
+            fmt(group.payload_bytes_per_max_len_seq),
+        )
     logger.info(
         "max concurrent sequences at max_model_len %d: %d",
         plan.max_model_len,
         plan.max_seqs_at_max_len,
     )
+    if plan.groups:
+        logger.info(
+            "hybrid KV cache: %d sequences at max_model_len vs %d with every layer's blocks "
+            "kept (%.2fx; --disable-hybrid-kv-cache-manager)",
+            plan.max_seqs_at_max_len,
+            plan.all_full_max_seqs_at_max_len,
+            plan.hybrid_capacity_gain,
+        )
 
 
 def _log_tiers(tiers: tuple[TierCapacity, ...], disk_dir: str | None) -> None:

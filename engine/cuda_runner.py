@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from engine.kv.accounting import KVShape, format_bytes
-from engine.model.layers.decoder import LlamaModel
+from engine.model.layers.decoder import DecoderModel
 from engine.model.runtime.cuda_graphs import DecodeGraphs, DecodeRow, batch_size_ladder
 from engine.model.runtime.cuda_metadata import StagedStep, StepMetadataBuilder
 from engine.model.runtime.kv_cache import KVPool, KVPoolLayout, PagedKVCache
@@ -33,7 +33,7 @@ logger = logging.getLogger("kvserve.engine")
 MAX_CAPTURED_BATCH = 256
 
 
-def uses_decode_graphs(model: LlamaModel) -> bool:
+def uses_decode_graphs(model: DecoderModel) -> bool:
     """Whether the model can run decode steps from persistent buffers: its attention must
     read the block tables directly and mask by length (the Triton backend's does)."""
     return model.kernels.name == "triton"
@@ -100,7 +100,7 @@ def _plain_decodes(batch: list[ScheduledRequest]) -> bool:
 
 
 def decode_graph_reserve(
-    model: LlamaModel, kv_shape: KVShape, block_size: int, max_num_seqs: int, max_model_len: int
+    model: DecoderModel, kv_shape: KVShape, block_size: int, max_num_seqs: int, max_model_len: int
 ) -> int:
     """Device bytes the decode graphs will hold, measured by capturing them once against a
     one-block scratch pool (graph capture reads no block: every row is padding), so the

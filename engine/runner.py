@@ -15,7 +15,7 @@ import torch
 
 from engine.kv.groups import layer_group_indices
 from engine.model.kernels.metadata import SequenceChunk, build_grouped_metadata
-from engine.model.layers.decoder import LlamaModel
+from engine.model.layers.decoder import DecoderModel
 from engine.model.runtime.kv_cache import CopyStaging, KVPool, PagedKVCache, copy_blocks
 from engine.model.runtime.memory import measured_memory
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -32,7 +32,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         device_pool: KVPool,
         host_pool: KVPool | None = None,
         eos_token_ids: tuple[int, ...] = (),

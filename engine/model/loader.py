@@ -1,8 +1,10 @@
 """Weights and tokenizer from a Hugging Face directory or a GGUF file.
 
-Both go through transformers' own loaders (GGUF tensors are dequantized and un-permuted
-there), then the state dict is repacked into kvserve's fused layout and the reference
-model is dropped. Nothing is fetched from a hub: paths must be local.
+config -> ``ModelSpec`` (spec.py) and the family module (registry.py); weights through
+transformers' own loaders (sharded safetensors in a directory; GGUF tensors dequantized
+and un-permuted there) into a state dict; the family repacks it into the fused layout
+(``family.load_weights``) and says how its layers combine (``family.decoder_options``);
+the reference model is dropped. Nothing is fetched from a hub: paths must be local.
 """
 
 from __future__ import annotations
@@ -10,15 +12,30 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 
-from engine.model.layers.decoder import LayerWeights, LlamaModel, LlamaWeights, RotaryEmbedding
-from engine.model.layers.linear import DenseLinear
-from engine.model.spec import ModelSpec, rope_inverse_frequencies, spec_from_hf_config
+from engine.model.families.hf_names import TensorReader
+from engine.model.layers.decoder import DecoderModel, DecoderOptions, ModelWeights
+from engine.model.layers.rotary import rotary_tables
+from engine.model.registry import load_family, text_config
+from engine.model.spec import ModelSpec, spec_from_hf_config
 
 logger = logging.getLogger(__name__)
+
+
+class Family(Protocol):
+    """What a family module (engine/model/families/<name>.py) defines."""
+
+    def decoder_options(self, config: Any, dtype: torch.dtype) -> DecoderOptions:
+        """How the shared decoder combines this family's layers (norm placement, scales,
+        soft-caps), for ``config`` served in ``dtype``."""
+        ...
+
+    def load_weights(self, config: Any, spec: ModelSpec, tensors: TensorReader) -> ModelWeights:
+        """The model's weights from its Hugging Face-named tensors, in the fused layout."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -70,14 +87,12 @@ def load_hf_config(source: ModelSource) -> Any:
 
 def load_model(
     source: ModelSource, dtype: torch.dtype, device: torch.device, max_positions: int
-) -> LlamaModel:
+) -> DecoderModel:
     """Load weights through transformers, repack them, and build the paged decoder."""
     config = load_hf_config(source)
-    spec = spec_from_hf_config(config)
+    spec_from_hf_config(config)  # refuse an unsupported model before reading its weights
     state = _load_state_dict(source, config, dtype)
-    weights = weights_from_state_dict(spec, state, dtype, device)
-    del state
-    return build_model(config, spec, weights, max_positions)
+    return build_model(config, state, dtype, device, max_positions)
 
 
 def _load_state_dict(source: ModelSource, config: Any, dtype: torch.dtype) -> dict[str, Any]:
@@ -100,58 +115,24 @@ def _load_state_dict(source: ModelSource, config: Any, dtype: torch.dtype) -> di
 
 
 def build_model(
-    config: Any, spec: ModelSpec, weights: LlamaWeights, max_positions: int
-) -> LlamaModel:
-    inv_freq, scaling = rope_inverse_frequencies(config, spec)
-    rope = RotaryEmbedding(
-        inv_freq, scaling, max_positions, weights.embed.dtype, weights.embed.device
-    )
-    return LlamaModel(spec, weights, rope)
+    config: Any,
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+) -> DecoderModel:
+    """The decoder for ``config`` from its HF-named tensors ``state``."""
+    spec = spec_from_hf_config(config)
+    family = cast(Family, load_family(config))
+    weights = family.load_weights(config, spec, TensorReader(state, dtype, device))
+    ropes = rotary_tables(text_config(config), spec, max_positions, dtype, device)
+    return DecoderModel(spec, weights, ropes, options=family.decoder_options(config, dtype))
 
 
-def model_from_reference(reference: Any, max_positions: int | None = None) -> LlamaModel:
-    """Wrap an in-memory transformers Llama (tests, benchmarks) without touching disk."""
-    spec = spec_from_hf_config(reference.config)
+def model_from_reference(reference: Any, max_positions: int | None = None) -> DecoderModel:
+    """Wrap an in-memory transformers model (tests, benchmarks) without touching disk."""
     param = next(reference.parameters())
-    weights = weights_from_state_dict(spec, reference.state_dict(), param.dtype, param.device)
-    positions = max_positions or spec.max_position_embeddings
-    return build_model(reference.config, spec, weights, positions)
-
-
-def weights_from_state_dict(
-    spec: ModelSpec, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
-) -> LlamaWeights:
-    """Repack HF Llama-style tensors into the fused layout, in ``dtype`` on ``device``."""
-
-    def take(name: str) -> torch.Tensor:
-        return state[name].to(device=device, dtype=dtype).contiguous()
-
-    def fuse(*names: str) -> torch.Tensor:
-        return torch.cat([state[n].to(dtype) for n in names], dim=0).to(device).contiguous()
-
-    layers = []
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        attn = p + "self_attn."
-        bias_names = [attn + f"{x}_proj.bias" for x in ("q", "k", "v")]
-        layers.append(
-            LayerWeights(
-                input_norm=take(p + "input_layernorm.weight"),
-                qkv=DenseLinear(
-                    fuse(*(attn + f"{x}_proj.weight" for x in ("q", "k", "v"))),
-                    fuse(*bias_names) if bias_names[0] in state else None,
-                ),
-                o_proj=DenseLinear(take(attn + "o_proj.weight")),
-                post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=DenseLinear(fuse(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
-                down=DenseLinear(take(p + "mlp.down_proj.weight")),
-            )
-        )
-    embed = take("model.embed_tokens.weight")
-    tied = spec.tie_word_embeddings or "lm_head.weight" not in state
-    return LlamaWeights(
-        embed=embed,
-        layers=layers,
-        final_norm=take("model.norm.weight"),
-        lm_head=DenseLinear(embed if tied else take("lm_head.weight")),
+    positions = max_positions or spec_from_hf_config(reference.config).max_position_embeddings
+    return build_model(
+        reference.config, reference.state_dict(), param.dtype, param.device, positions
     )

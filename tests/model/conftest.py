@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.model.kernels.base import NativeKernels, TorchKernels
+from engine.model.kernels.base import TorchKernels
+from engine.model.kernels.native import NativeKernels
 
 
 @pytest.fixture(scope="module", params=["torch", "native"])

@@ -11,7 +11,7 @@ from engine.config import CacheConfig, EngineArgs, SchedulerConfig
 from engine.core import EngineCore
 from engine.kv.accounting import KVShape
 from engine.kv.groups import KVGroup
-from engine.model.layers.decoder import LlamaModel
+from engine.model.layers.decoder import DecoderModel
 from engine.model.runtime.kv_cache import KVPool, KVPoolLayout
 from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
@@ -20,7 +20,7 @@ from engine.structured import GrammarCompiler
 
 
 def make_core(
-    model: LlamaModel,
+    model: DecoderModel,
     cache: CacheConfig,
     scheduler: SchedulerConfig | None = None,
     eos_token_ids: tuple[int, ...] = (),

@@ -6,12 +6,12 @@ import torch
 
 from engine.kv.accounting import KVShape
 from engine.model.kernels.metadata import SequenceChunk, build_metadata
-from engine.model.layers.decoder import LlamaModel
+from engine.model.layers.decoder import DecoderModel
 from engine.model.runtime.kv_cache import KVPool, KVPoolLayout, PagedKVCache
 
 
 def make_cache(
-    model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: str = "float32"
+    model: DecoderModel, num_blocks: int, block_size: int, kv_dtype: str = "float32"
 ) -> PagedKVCache:
     spec = model.spec
     shape = KVShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype)
@@ -33,7 +33,7 @@ class BlockTables:
 
 
 def run_step(
-    model: LlamaModel,
+    model: DecoderModel,
     cache: PagedKVCache,
     token_ids: list[list[int]],
     computed: list[int],

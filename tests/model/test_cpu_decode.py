@@ -1,5 +1,5 @@
 """The CPU decode fast path (engine/model/runtime/cpu_decode.py): one native call for every layer
-of a decode step computes exactly what LlamaModel's Python loop computes, and steps it
+of a decode step computes exactly what DecoderModel's Python loop computes, and steps it
 cannot serve go the Python way."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 import torch
 
-from engine.model.kernels.base import NativeKernels
 from engine.model.kernels.metadata import SequenceChunk, build_metadata
-from engine.model.kernels.native import load_native_ops
-from engine.model.layers.decoder import LlamaModel
-from engine.model.layers.linear import DenseLinear, quantize_weights
+from engine.model.kernels.native import NativeKernels, load_native_ops
+from engine.model.layers.decoder import DecoderModel
+from engine.model.layers.linear import DenseLinear
+from engine.model.layers.quantize import quantize_weights
 from engine.model.loader import model_from_reference
 from engine.model.runtime.cpu_decode import MAX_ROWS, DecodeLayers
 from tests.model.paged import BlockTables, make_cache, run_step
@@ -24,7 +24,7 @@ PROMPTS = [[5, 9, 17, 33, 65, 129, 7, 3, 2], [11, 12, 13, 14, 15, 16], [40, 41, 
 KV_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
-def decode_logits(model: LlamaModel, steps: int = 6) -> torch.Tensor:
+def decode_logits(model: DecoderModel, steps: int = 6) -> torch.Tensor:
     """Logits of a prefill of three prompts, then decode steps of 3 rows, then of 1."""
     cache = make_cache(model, num_blocks=64, block_size=4, kv_dtype=KV_DTYPES[model.dtype])
     tables = BlockTables(64, seed=3)
@@ -41,7 +41,7 @@ def decode_logits(model: LlamaModel, steps: int = 6) -> torch.Tensor:
     return torch.cat(outputs)
 
 
-def native_model(reference: torch.nn.Module, dtype: torch.dtype, quantization: str) -> LlamaModel:
+def native_model(reference: torch.nn.Module, dtype: torch.dtype, quantization: str) -> DecoderModel:
     base = model_from_reference(reference.to(dtype))
     weights = quantize_weights(base.weights, quantization, rowwise=True)
     return base.replace(weights=weights, kernels=NativeKernels())
@@ -75,6 +75,8 @@ def test_the_fast_path_is_bit_identical_to_the_python_loop(
 def test_steps_it_cannot_serve_go_the_python_way(tiny_llama_factory):
     _, reference = tiny_llama_factory(num_heads=4, num_kv_heads=2)
     model = native_model(reference, torch.float32, "none")
+    fast = model.fast_decode
+    assert fast is not None
     cache = make_cache(model, num_blocks=64, block_size=4)
     decode = SequenceChunk(num_computed=4, num_new=1, block_ids=[0, 1])
     prefill = SequenceChunk(num_computed=0, num_new=3, block_ids=[2])
@@ -82,22 +84,44 @@ def test_steps_it_cannot_serve_go_the_python_way(tiny_llama_factory):
     def meta(chunks: list[SequenceChunk]):  # type: ignore[no-untyped-def]
         return build_metadata(chunks, 4, torch.device("cpu"))
 
-    assert DecodeLayers.serves(meta([decode]), cache)
-    assert DecodeLayers.serves(meta([decode] * MAX_ROWS), cache)
-    assert not DecodeLayers.serves(meta([decode] * (MAX_ROWS + 1)), cache)
-    assert not DecodeLayers.serves(meta([decode, prefill]), cache)
-    assert not DecodeLayers.serves(meta([decode]), make_cache(model, 64, 4, "int8"))
+    assert fast.serves(meta([decode]), cache)
+    assert fast.serves(meta([decode] * MAX_ROWS), cache)
+    assert not fast.serves(meta([decode] * (MAX_ROWS + 1)), cache)
+    assert not fast.serves(meta([decode, prefill]), cache)
+    assert not fast.serves(meta([decode]), make_cache(model, 64, 4, "int8"))
+
+
+def test_a_sliding_window_is_served_only_while_no_context_reaches_past_it(tiny_llama_factory):
+    _, reference = tiny_llama_factory(num_heads=4, num_kv_heads=2)
+    model = native_model(reference, torch.float32, "none")
+    assert model.fast_decode is not None
+    fast = dataclasses.replace(model.fast_decode, window=8)
+    cache = make_cache(model, num_blocks=64, block_size=4)
+
+    def decode(computed: int) -> SequenceChunk:
+        return SequenceChunk(num_computed=computed, num_new=1, block_ids=[0, 1, 2, 3])
+
+    def meta(chunks: list[SequenceChunk]):  # type: ignore[no-untyped-def]
+        return build_metadata(chunks, 4, torch.device("cpu"))
+
+    assert fast.serves(meta([decode(7)]), cache)  # 8 keys: all inside the window
+    assert not fast.serves(meta([decode(8)]), cache)  # a 9th key: the window hides one
+    assert not fast.serves(meta([decode(3), decode(8)]), cache)
 
 
 def test_only_projections_with_a_few_row_kernel_and_no_bias_take_it(tiny_llama_factory):
     _, reference = tiny_llama_factory(num_heads=4, num_kv_heads=2)
-    weights = model_from_reference(reference).weights
-    assert DecodeLayers.build(weights) is not None
-    assert DecodeLayers.build(quantize_weights(weights, "int8", rowwise=False)) is None  # fbgemm
+    model = model_from_reference(reference).replace(kernels=NativeKernels())
+    weights = model.weights
+    assert model.fast_decode is not None
+    int8 = quantize_weights(weights, "int8", rowwise=False)  # fbgemm only
+    assert model.replace(weights=int8).fast_decode is None
     layer = weights.layers[0]
-    assert isinstance(layer.qkv, DenseLinear)
-    biased_qkv = DenseLinear(layer.qkv.weight, torch.zeros(layer.qkv.weight.shape[0]))
-    biased = dataclasses.replace(
-        weights, layers=[dataclasses.replace(layer, qkv=biased_qkv), *weights.layers[1:]]
+    qkv = layer.attention.qkv
+    assert isinstance(qkv, DenseLinear)
+    biased_qkv = DenseLinear(qkv.weight, torch.zeros(qkv.weight.shape[0]))
+    biased_layer = dataclasses.replace(
+        layer, attention=dataclasses.replace(layer.attention, qkv=biased_qkv)
     )
-    assert DecodeLayers.build(biased) is None
+    biased = dataclasses.replace(weights, layers=[biased_layer, *weights.layers[1:]])
+    assert model.replace(weights=biased).fast_decode is None

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from engine.builder import build_engine
 from engine.config import EngineArgs
 from engine.model.kernels.native import load_native_ops
-from engine.model.layers.decoder import LlamaModel, LlamaWeights
+from engine.model.layers.decoder import DecoderModel, ModelWeights
 from engine.model.layers.linear import (
     INT4_GROUP,
     INT4_GROUP_OVERHEAD_BYTES,
@@ -25,10 +25,12 @@ from engine.model.layers.linear import (
     Int8Linear,
     Linear,
     check_quantization,
+    linear_layers,
+    map_linears,
     quantize_int4,
-    quantize_weights,
     unpack_int4,
 )
+from engine.model.layers.quantize import quantize_weights
 from engine.model.loader import ModelSource, load_model, model_from_reference
 from tests.model.engine_helpers import greedy, run_all, smollm_chat_prompt, smollm_greedy_answer
 from tests.model.test_weight_quant import (
@@ -166,7 +168,7 @@ def test_refusals_name_the_flag():
     check_quantization("int4", torch.device("cpu"), "native")
 
 
-def int4_model(model: LlamaModel) -> LlamaModel:
+def int4_model(model: DecoderModel) -> DecoderModel:
     return model.replace(weights=quantize_weights(model.weights, "int4", rowwise=True))
 
 
@@ -203,22 +205,12 @@ def test_int4_model_stays_close_to_a_dense_model_of_its_dequantized_weights(
     assert agree >= 0.9, agree
 
 
-def dequantized_twin(weights: LlamaWeights) -> LlamaWeights:
+def dequantized_twin(weights: ModelWeights) -> ModelWeights:
     def dense(linear: Linear) -> Linear:
         assert isinstance(linear, Int4Linear)
         return DenseLinear(linear.dequantize(), linear.bias)
 
-    layers = [
-        dataclasses.replace(
-            layer,
-            qkv=dense(layer.qkv),
-            o_proj=dense(layer.o_proj),
-            gate_up=dense(layer.gate_up),
-            down=dense(layer.down),
-        )
-        for layer in weights.layers
-    ]
-    return dataclasses.replace(weights, layers=layers)
+    return dataclasses.replace(weights, layers=map_linears(weights.layers, dense))
 
 
 def test_projections_are_int4_and_the_head_int8(tiny_llama_factory):
@@ -226,19 +218,14 @@ def test_projections_are_int4_and_the_head_int8(tiny_llama_factory):
     dense = model_from_reference(reference).weights
     quantized = quantize_weights(dense, "int4", rowwise=True)
     for layer in quantized.layers:
-        assert all(
-            isinstance(linear, Int4Linear)
-            for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-        )
+        assert all(isinstance(linear, Int4Linear) for linear in linear_layers(layer))
     assert isinstance(quantized.lm_head, Int8Linear) and quantized.lm_head.rowwise is not None
     assert quantized.embed is dense.embed
     linears = [quantized.lm_head] + [
-        linear
-        for layer in quantized.layers
-        for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        linear for layer in quantized.layers for linear in linear_layers(layer)
     ]
     norms = [quantized.final_norm] + [
-        t for layer in quantized.layers for t in (layer.input_norm, layer.post_norm)
+        t for layer in quantized.layers for t in (layer.input_norm, layer.pre_mlp_norm)
     ]
     expected = quantized.embed.numel() * 4 + sum(t.numel() * 4 for t in norms)
     assert quantized.nbytes == expected + sum(linear.nbytes for linear in linears)
@@ -254,7 +241,7 @@ def test_a_decode_token_streams_the_few_row_copies_and_not_the_embedding(tiny_ll
     norms = sum(
         t.numel() * t.element_size()
         for t in [dense.final_norm]
-        + [t for layer in dense.layers for t in (layer.input_norm, layer.post_norm)]
+        + [t for layer in dense.layers for t in (layer.input_norm, layer.pre_mlp_norm)]
     )
     assert dense.decode_nbytes == dense.nbytes  # tied: the embedding is the LM head
     int8 = quantize_weights(dense, "int8", rowwise=True)
@@ -264,12 +251,10 @@ def test_a_decode_token_streams_the_few_row_copies_and_not_the_embedding(tiny_ll
         assert isinstance(head, Int8Linear) and head.rowwise is not None
         head_copy = sum(t.numel() * t.element_size() for t in head.rowwise)
         projections = sum(
-            linear.decode_nbytes
-            for layer in quantized.layers
-            for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+            linear.decode_nbytes for layer in quantized.layers for linear in linear_layers(layer)
         )
         assert quantized.decode_nbytes == norms + projections + head_copy
-    int8_projections = int8.layers[0].qkv
+    int8_projections = int8.layers[0].attention.qkv
     assert isinstance(int8_projections, Int8Linear) and int8_projections.rowwise is not None
     assert int8_projections.decode_nbytes == sum(
         t.numel() * t.element_size() for t in int8_projections.rowwise
@@ -320,7 +305,7 @@ def test_smollm_q4_1_projections_round_trip_and_the_answer_agrees(smollm_gguf, s
     source = ModelSource.from_path(str(smollm_gguf))
     model = load_model(source, torch.float32, torch.device("cpu"), max_positions=64)
     for layer in model.weights.layers:
-        for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+        for linear in linear_layers(layer):
             weight = linear.weight  # type: ignore[attr-defined]
             out_features, in_features = weight.shape
             groups = unpack_int4(*quantize_int4(weight), out_features, in_features)

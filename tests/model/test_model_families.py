@@ -1,58 +1,86 @@
-"""Other Llama-family checkpoints: Qwen2 (QKV bias), Mistral (sliding window), RoPE scaling."""
+"""Every family against transformers: tiny random configs in float32, prompts several
+sliding windows long, prefill in chunks (one request's decodes mixed with another's
+prefill), then 33 greedy decode steps; for the torch and native kernels.
+
+Logits of every position must be within 1e-4 of transformers' (one full forward over the
+prompt and the generated tokens) and the greedy tokens identical.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import pytest
 import torch
 
+from engine.model.kernels.base import Kernels
 from engine.model.loader import model_from_reference
-from engine.model.spec import spec_from_hf_config
-from tests.model.paged import BlockTables, make_cache, run_step
-
-PROMPT = [3, 17, 99, 4, 5, 200, 7, 8, 9, 10, 11]
-
-
-def small(config_cls, **extra):
-    return config_cls(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        **extra,
-    )
-
-
-def assert_parity(reference) -> None:
-    reference = reference.eval()
-    with torch.no_grad():
-        for param in reference.parameters():
-            if param.dim() > 1:  # matrices only; norms stay at 1
-                param.mul_(4.0)
-        expected = reference(torch.tensor([PROMPT])).logits[0]
-    model = model_from_reference(reference)
-    cache = make_cache(model, num_blocks=32, block_size=4)
-    blocks = [BlockTables(32).allocate(len(PROMPT), 4)]
-    logits = run_step(model, cache, [PROMPT[:5]], [0], blocks)
-    logits = torch.cat([logits, run_step(model, cache, [PROMPT[5:]], [5], blocks)])
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+from engine.model.spec import FULL, SLIDING, LayerSpec, spec_from_hf_config
+from tests.model.family_models import (
+    DECODE_STEPS,
+    FAMILIES,
+    PROMPTS,
+    WINDOW,
+    base,
+    gemma2,
+    gemma3_multimodal,
+    gemma3_text,
+    llama,
+    mistral,
+    qwen2,
+    random_reference,
+    serve_greedy,
+)
 
 
-def test_qwen2_with_qkv_bias_matches_transformers():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_matches_transformers_past_its_window(family: str, kernels: Kernels) -> None:
+    build, block_size = FAMILIES[family]
+    reference = random_reference(build)
+    model = model_from_reference(reference).replace(kernels=kernels)
+    tokens, logits = serve_greedy(model, block_size)
+    for prompt, sequence, ours in zip(PROMPTS, tokens, logits, strict=True):
+        fed = sequence[: len(prompt) + DECODE_STEPS]
+        with torch.no_grad():
+            expected = reference(torch.tensor([fed])).logits[0]
+        torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+        assert sequence[len(prompt) :] == expected[len(prompt) - 1 :].argmax(-1).tolist()
 
-    torch.manual_seed(0)
-    reference = Qwen2ForCausalLM(small(Qwen2Config))
-    assert reference.model.layers[0].self_attn.q_proj.bias is not None
-    with torch.no_grad():
-        for layer in reference.model.layers:
-            layer.self_attn.q_proj.bias.normal_()
-            layer.self_attn.k_proj.bias.normal_()
-    assert_parity(reference)
+
+def test_layer_specs_come_from_the_config() -> None:
+    def layers(build: Callable[[], Any]) -> tuple[LayerSpec, ...]:
+        return spec_from_hf_config(build().config).layers
+
+    sliding, full = LayerSpec(SLIDING, WINDOW), LayerSpec(FULL)
+    assert layers(llama) == (full, full)
+    assert layers(mistral) == (sliding, sliding)
+    assert layers(qwen2) == (full, sliding, sliding)
+    assert [layer.window for layer in layers(gemma2)] == [WINDOW, None, WINDOW, None]
+    gemma3 = layers(gemma3_text)
+    assert [layer.attention for layer in gemma3] == [SLIDING] * 5 + [FULL]
+    assert {layer.rope for layer in gemma3} == {"sliding_attention", "full_attention"}
+    spec = spec_from_hf_config(gemma3_multimodal().config)
+    assert spec.model_type == "gemma3_text" and spec.layers == gemma3
+    assert spec_from_hf_config(mistral().config).context_limit == 512  # not the window
 
 
-def test_llama3_rope_scaling_matches_transformers():
+def test_a_layer_type_kvserve_cannot_run_is_refused_by_name() -> None:
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(**base(layer_types=["full_attention", "chunked_attention"]))
+    with pytest.raises(ValueError, match="'chunked_attention'"):
+        spec_from_hf_config(config)
+
+
+def test_an_unknown_model_type_is_refused_with_the_list() -> None:
+    from transformers import GPT2Config
+
+    with pytest.raises(ValueError, match=r"unsupported model type 'gpt2'.*qwen3"):
+        spec_from_hf_config(GPT2Config())
+
+
+def test_llama3_rope_scaling_matches_transformers() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     scaling = {
@@ -62,14 +90,11 @@ def test_llama3_rope_scaling_matches_transformers():
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64,
     }
-    config = small(LlamaConfig, rope_scaling=scaling, rope_theta=500000.0)
-    torch.manual_seed(0)
-    assert_parity(LlamaForCausalLM(config))
-
-
-def test_mistral_sliding_window_limits_the_served_context():
-    from transformers import MistralConfig
-
-    spec = spec_from_hf_config(small(MistralConfig, sliding_window=128))
-    assert spec.sliding_window == 128 and spec.context_limit == 128
-    assert spec_from_hf_config(small(MistralConfig, sliding_window=None)).context_limit == 512
+    config = LlamaConfig(**base(rope_scaling=scaling, rope_theta=500000.0))
+    reference = random_reference(lambda: LlamaForCausalLM(config))
+    model = model_from_reference(reference)
+    tokens, logits = serve_greedy(model, 4)
+    fed = tokens[0][: len(PROMPTS[0]) + DECODE_STEPS]
+    with torch.no_grad():
+        expected = reference(torch.tensor([fed])).logits[0]
+    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)

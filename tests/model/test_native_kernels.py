@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model.kernels.base import NativeKernels, TorchKernels, select_kernels
+from engine.model.kernels.base import TorchKernels
 from engine.model.kernels.metadata import SequenceChunk, build_metadata
+from engine.model.kernels.native import NativeKernels
+from engine.model.kernels.params import AttentionParams
+from engine.model.kernels.select import select_kernels
 from engine.model.layers.linear import (
     BF16_ROWWISE_MAX_ROWS,
     ROWWISE_CHANNEL_BYTES,
@@ -23,13 +26,17 @@ from engine.model.layers.linear import (
     DenseLinear,
     Int8Linear,
     bf16_rowwise_supported,
-    quantize_weights,
+    linear_layers,
 )
+from engine.model.layers.quantize import quantize_weights
 from engine.model.runtime.kv_cache import KVPool, KVPoolLayout, PagedKVCache
 from engine.model.spec import ModelSpec
 from tests.model.paged import BlockTables
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+# Plain attention at head_dim 64's scale.
+ATTENTION = AttentionParams(0.125)
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +148,8 @@ def test_write_and_decode_attention_match_torch(native, dtype, shape, block_size
     meta = build_metadata(chunks, block_size, torch.device("cpu"))
     qkv = torch.randn(len(contexts), spec.q_size + 2 * spec.kv_size).to(dtype)
     for layer in range(spec.num_layers):
-        expected = TorchKernels().decode_attention(torch_cache, layer, qkv, meta, spec, 0.125)
-        actual = native.decode_attention(native_cache, layer, qkv, meta, spec, 0.125)
+        expected = TorchKernels().decode_attention(torch_cache, layer, qkv, meta, spec, ATTENTION)
+        actual = native.decode_attention(native_cache, layer, qkv, meta, spec, ATTENTION)
         close(actual, expected)
 
 
@@ -188,8 +195,8 @@ def test_decode_attention_with_scores_past_exps_range_matches_torch(native, shap
     meta = build_metadata(chunks, 16, torch.device("cpu"))
     width = spec.q_size + 2 * spec.kv_size
     qkv = torch.randn(len(contexts), width, generator=torch.Generator().manual_seed(7)) * 40.0
-    expected = TorchKernels().decode_attention(cache, 0, qkv, meta, spec, 0.125)
-    actual = native.decode_attention(cache, 0, qkv, meta, spec, 0.125)
+    expected = TorchKernels().decode_attention(cache, 0, qkv, meta, spec, ATTENTION)
+    actual = native.decode_attention(cache, 0, qkv, meta, spec, ATTENTION)
     assert torch.isfinite(actual).all()
     # Scores this large carry float32 rounding of ~1e-4 into near-tied softmax weights of
     # values ~40 in size: compare at that scale (a wrong peak gives NaN, caught above).
@@ -219,8 +226,8 @@ def test_quantized_cache_decode_attention_matches_torch(native, kv_dtype):
     chunks = [SequenceChunk(ctx - 1, 1, ids) for ctx, ids in zip(contexts, blocks, strict=True)]
     meta = build_metadata(chunks, block_size, torch.device("cpu"))
     qkv = torch.randn(len(contexts), width)
-    expected = TorchKernels().decode_attention(cache, 0, qkv, meta, spec, 0.125)
-    actual = native.decode_attention(cache, 0, qkv, meta, spec, 0.125)
+    expected = TorchKernels().decode_attention(cache, 0, qkv, meta, spec, ATTENTION)
+    actual = native.decode_attention(cache, 0, qkv, meta, spec, ATTENTION)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -247,8 +254,8 @@ def test_prefill_attention_matches_torch(native, dtype, shape, block_size):
     qkv = torch.randn(rows, spec.q_size + 2 * spec.kv_size).to(dtype)
     for layer in range(spec.num_layers):
         native.write_kv(cache, layer, qkv, meta.slots, spec)  # as the model does, first
-        expected = TorchKernels().prefill_attention(cache, layer, qkv, meta, spec, 0.125)
-        actual = native.prefill_attention(cache, layer, qkv, meta, spec, 0.125)
+        expected = TorchKernels().prefill_attention(cache, layer, qkv, meta, spec, ATTENTION)
+        actual = native.prefill_attention(cache, layer, qkv, meta, spec, ATTENTION)
         close(actual, expected)
 
 
@@ -270,8 +277,8 @@ def test_bf16_prefill_over_many_key_tiles_matches_float32_math(native, shape):
     native.write_kv(cache, 0, qkv, meta.slots, spec)
     exact = PagedKVCache(cache.pool, torch.float32)  # the same bf16 cache, float32 compute
     exact_meta = build_metadata(chunks, 16, torch.device("cpu"))
-    expected = TorchKernels().prefill_attention(exact, 0, qkv.float(), exact_meta, spec, 0.125)
-    actual = native.prefill_attention(cache, 0, qkv, meta, spec, 0.125)
+    expected = TorchKernels().prefill_attention(exact, 0, qkv.float(), exact_meta, spec, ATTENTION)
+    actual = native.prefill_attention(cache, 0, qkv, meta, spec, ATTENTION)
     assert actual.dtype == torch.bfloat16
     torch.testing.assert_close(actual.float(), expected, atol=1e-2, rtol=1e-2)
 
@@ -300,8 +307,8 @@ def test_prefill_attention_reads_narrow_caches(native, kv_dtype):
     meta = build_metadata(chunks, block_size, torch.device("cpu"))
     qkv = torch.randn(sum(n for _, n in spans), width) * 3
     TorchKernels().write_kv(cache, 0, qkv, meta.slots, spec)
-    expected = TorchKernels().prefill_attention(cache, 0, qkv, meta, spec, 0.125)
-    actual = native.prefill_attention(cache, 0, qkv, meta, spec, 0.125)
+    expected = TorchKernels().prefill_attention(cache, 0, qkv, meta, spec, ATTENTION)
+    actual = native.prefill_attention(cache, 0, qkv, meta, spec, ATTENTION)
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -331,8 +338,8 @@ def test_bf16_prefill_reads_an_int8_cache(native, head_dim):
     TorchKernels().write_kv(cache, 0, qkv, meta.slots, spec)  # the chunk's own K/V, first
     exact = PagedKVCache(pool, torch.float32)
     exact_meta = build_metadata(chunks, block_size, torch.device("cpu"))
-    expected = TorchKernels().prefill_attention(exact, 0, qkv.float(), exact_meta, spec, 0.125)
-    actual = native.prefill_attention(cache, 0, qkv, meta, spec, 0.125)
+    expected = TorchKernels().prefill_attention(exact, 0, qkv.float(), exact_meta, spec, ATTENTION)
+    actual = native.prefill_attention(cache, 0, qkv, meta, spec, ATTENTION)
     torch.testing.assert_close(actual.float(), expected, atol=2e-2, rtol=2e-2)
 
 
@@ -361,8 +368,8 @@ def test_prefill_attention_after_decodes_uses_only_prefill_rows(native):
     meta = build_metadata(chunks, 4, torch.device("cpu"))
     qkv = torch.randn(18, spec.q_size + 2 * spec.kv_size)
     native.write_kv(cache, 1, qkv, meta.slots, spec)
-    expected = TorchKernels().prefill_attention(cache, 1, qkv, meta, spec, 0.25)
-    actual = native.prefill_attention(cache, 1, qkv, meta, spec, 0.25)
+    expected = TorchKernels().prefill_attention(cache, 1, qkv, meta, spec, AttentionParams(0.25))
+    actual = native.prefill_attention(cache, 1, qkv, meta, spec, AttentionParams(0.25))
     assert actual.shape == (17, spec.q_size)
     close(actual, expected)
 
@@ -375,7 +382,7 @@ def test_bad_slot_or_block_is_an_error_not_a_crash(native):
         native.write_kv(cache, 0, qkv, torch.tensor([256 * 4]), spec)
     meta = build_metadata([SequenceChunk(4, 1, [999, 1])], 4, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="block id out of range"):
-        native.decode_attention(cache, 0, qkv, meta, spec, 0.25)
+        native.decode_attention(cache, 0, qkv, meta, spec, AttentionParams(0.25))
 
 
 def test_select_kernels():
@@ -537,9 +544,7 @@ def test_bf16_model_takes_the_kernel_for_few_rows_only_where_the_cpu_has_it(
         weights = model_from_reference(reference.to(dtype)).weights
         weights = quantize_weights(weights, "none", rowwise=True)
         linears = [weights.lm_head] + [
-            linear
-            for layer in weights.layers
-            for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+            linear for layer in weights.layers for linear in linear_layers(layer)
         ]
         expected = dtype == torch.bfloat16 and supported
         assert {isinstance(x, DenseLinear) and x.rowwise for x in linears} == {expected}

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from engine.model.layers.linear import quantize_weights
+from engine.model.layers.quantize import quantize_weights
 from engine.model.loader import model_from_reference
 from engine.request import Request, SamplingParams
 from tests.model.engine_helpers import greedy, make_core, run_all

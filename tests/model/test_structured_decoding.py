@@ -18,8 +18,8 @@ import torch
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core import EngineCore
 from engine.errors import GrammarError
-from engine.model.layers.decoder import LlamaModel
-from engine.model.layers.linear import quantize_weights
+from engine.model.layers.decoder import DecoderModel
+from engine.model.layers.quantize import quantize_weights
 from engine.model.loader import model_from_reference
 from engine.outputs import RequestDelta, SchedulerOutput
 from engine.request import FinishReason, Request, SamplingParams, StructuredOutputs
@@ -63,18 +63,18 @@ def eos(smollm_tokenizer: Any) -> tuple[int, ...]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_llama_factory: Any, smollm_tokenizer: Any) -> LlamaModel:
+def tiny(tiny_llama_factory: Any, smollm_tokenizer: Any) -> DecoderModel:
     _, reference = tiny_llama_factory(vocab_size=len(smollm_tokenizer), tie_embeddings=True)
     return model_from_reference(reference)
 
 
 @pytest.fixture(scope="module")
-def compiler(smollm_tokenizer: Any, tiny: LlamaModel, eos: tuple[int, ...]) -> GrammarCompiler:
+def compiler(smollm_tokenizer: Any, tiny: DecoderModel, eos: tuple[int, ...]) -> GrammarCompiler:
     return GrammarCompiler(smollm_tokenizer, tiny.spec.vocab_size, eos)
 
 
 def core_for(
-    model: LlamaModel,
+    model: DecoderModel,
     compiler: GrammarCompiler,
     eos: tuple[int, ...],
     cache: CacheConfig | None = None,

@@ -9,10 +9,22 @@ import torch
 
 from tests.model.triton_setup import DEVICE  # isort: skip  (sets TRITON_INTERPRET first)
 from engine.config import CacheConfig, SchedulerConfig
-from engine.model.kernels.base import NativeKernels, TorchKernels, select_kernels
+from engine.model.kernels.base import TorchKernels
+from engine.model.kernels.metadata import SequenceChunk
+from engine.model.kernels.native import NativeKernels
+from engine.model.kernels.select import select_kernels
 from engine.model.kernels.triton.triton_kernels import TritonKernels
 from engine.model.loader import model_from_reference
+from engine.model.runtime.cuda_metadata import StepMetadataBuilder
 from tests.model.engine_helpers import greedy, make_core, reference_greedy, run_all
+from tests.model.family_models import (
+    DECODE_STEPS,
+    PROMPTS,
+    gemma2,
+    mistral,
+    random_reference,
+    serve_greedy,
+)
 from tests.model.paged import BlockTables, make_cache, run_step
 
 ATOL = 1e-4
@@ -20,7 +32,7 @@ ATOL = 1e-4
 
 def reference_logits(reference, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        return reference(torch.tensor([ids])).logits[0].float()
+        return reference(torch.tensor([ids], device=DEVICE)).logits[0].float().cpu()
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +113,38 @@ def test_triton_on_the_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         select_kernels("triton", torch.device("cpu"), torch.float32)
+
+
+def test_soft_capped_sliding_layers_defer_to_torch_and_match_transformers(triton_kernels):
+    """Gemma 2 (soft-cap on every layer, a window on half): every attention call defers
+    to the torch kernels, whose results transformers' own agree with, past the window."""
+    reference = random_reference(gemma2).to(DEVICE)
+    model = model_from_reference(reference).replace(kernels=triton_kernels)
+    tokens, logits = serve_greedy(model, block_size=8)
+    for prompt, sequence, ours in zip(PROMPTS, tokens, logits, strict=True):
+        fed = sequence[: len(prompt) + DECODE_STEPS]
+        expected = reference_logits(reference, fed)
+        torch.testing.assert_close(ours.cpu(), expected.cpu(), atol=ATOL, rtol=0)
+        assert sequence[len(prompt) :] == expected[len(prompt) - 1 :].argmax(-1).tolist()
+
+
+def test_a_varlen_step_past_the_window_defers_to_torch(triton_kernels):
+    """One varlen launch (the CUDA runner's steps) with a decode and a prefill chunk whose
+    contexts pass Mistral's window: the torch varlen attention serves it exactly."""
+    reference = random_reference(mistral).to(DEVICE)
+    model = model_from_reference(reference).replace(kernels=triton_kernels)
+    cache = make_cache(model, num_blocks=64, block_size=4)
+    tables = BlockTables(64, seed=9)
+    first = [(5 * i + 1) % 250 for i in range(30)]
+    second = [(3 * i + 2) % 250 for i in range(41)]
+    blocks = [tables.allocate(40, 4), tables.allocate(44, 4)]
+    run_step(model, cache, [first, second[:19]], [0, 0], blocks)
+    chunks = [SequenceChunk(30, 1, blocks[0]), SequenceChunk(19, 22, blocks[1])]
+    flat = [77, *second[19:]]
+    step = StepMetadataBuilder(4, model.device).build(chunks, flat, list(range(len(flat))))
+    assert step.meta.varlen is not None
+    logits = model.logits(model.forward(step.token_ids, step.meta, cache))
+    expected = torch.cat(
+        [reference_logits(reference, [*first, 77])[-1:], reference_logits(reference, second)[19:]]
+    )
+    torch.testing.assert_close(logits.cpu(), expected.cpu(), atol=ATOL, rtol=0)

@@ -12,14 +12,15 @@ import torch.nn.functional as F
 
 from engine.builder import build_engine
 from engine.config import CacheConfig, EngineArgs
-from engine.model.layers.decoder import LlamaModel
+from engine.model.layers.decoder import DecoderModel
 from engine.model.layers.linear import (
     INT8_CHANNEL_OVERHEAD_BYTES,
     DenseLinear,
     Int8Linear,
     check_quantization,
-    quantize_weights,
+    linear_layers,
 )
+from engine.model.layers.quantize import quantize_weights
 from engine.model.loader import model_from_reference
 from server.plan import add_plan_parser, build_report
 from tests.model.engine_helpers import (
@@ -42,11 +43,11 @@ TOP1_AGREEMENT = 0.85
 PROMPTS = [[5, 9, 17, 33, 65, 129, 7, 3, 2, 1, 99, 100], [11, 12, 13, 14, 15, 16]]
 
 
-def int8_model(model: LlamaModel) -> LlamaModel:
+def int8_model(model: DecoderModel) -> DecoderModel:
     return model.replace(weights=quantize_weights(model.weights, "int8"))
 
 
-def prefill_and_decode_logits(model: LlamaModel, steps: int = 8) -> torch.Tensor:
+def prefill_and_decode_logits(model: DecoderModel, steps: int = 8) -> torch.Tensor:
     """Logits of a two-chunk prefill and ``steps`` batched decode steps (fixed tokens)."""
     cache = make_cache(model, num_blocks=64, block_size=4)
     tables = BlockTables(64, seed=2)
@@ -129,10 +130,10 @@ def test_weight_bytes_equal_the_packed_sizes(tiny_llama_factory, tied):
     quantized = quantize_weights(dense, "int8")
     linears = [quantized.lm_head]
     for layer in quantized.layers:
-        linears += [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
+        linears += linear_layers(layer)
     assert all(isinstance(linear, Int8Linear) for linear in linears)
     norms = [quantized.final_norm] + [
-        t for layer in quantized.layers for t in (layer.input_norm, layer.post_norm)
+        t for layer in quantized.layers for t in (layer.input_norm, layer.pre_mlp_norm)
     ]
     expected = quantized.embed.numel() * 4 + sum(t.numel() * 4 for t in norms)
     expected += sum(packed_bytes(linear) for linear in linears)  # type: ignore[arg-type]

@@ -1,30 +1,17 @@
-"""Paged attention over a mixed batch of decode tokens and prefill chunks.
+"""A step's attention inputs: slots, positions and block tables, built once per step and
+shared by every layer (a leaf module: torch only).
 
 The flattened batch is ordered decodes first, then prefill chunks. Decode rows (one new
-token each) are attended in one batched matmul over their gathered, padded block tables:
-torch's CPU ``scaled_dot_product_attention`` costs milliseconds per single-token call, a
-bmm + softmax over ``[kv_heads, batch, group, tokens]`` costs microseconds. Prefill chunks
-go to the kernels' ``prefill_attention``: the native backend attends all of a step's chunks
-in one flash-style call that reads the context straight from the block tables; the torch
-backend runs SDPA one request at a time, gathering the earlier context from the cache when
-a chunk does not start at position 0.
-
-Everything here is built once per step and shared by all layers.
+token each) read a padded block table; prefill chunks are listed as spans and, for the
+native kernel, as one padded table of all of them. The Triton backend's steps carry
+``VarlenTables`` instead (engine/model/runtime/cuda_metadata.py builds them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
-
-from engine.model.runtime.kv_cache import PagedKVCache
-from engine.model.spec import ModelSpec
-
-if TYPE_CHECKING:
-    from engine.model.kernels.base import TorchKernels
 
 
 @dataclass(frozen=True)
@@ -87,6 +74,9 @@ class AttentionMetadata:
     layer_groups: tuple[int, ...] | None = None
     group_metas: list[AttentionMetadata] | None = None
     _decode_padding: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _decode_windows: dict[tuple[int, int], DecodeWindow] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         """The metadata of the KV group whose block tables ``layer`` reads."""
@@ -106,6 +96,49 @@ class AttentionMetadata:
             padding = positions >= self.decode_context_lens[:, None]
             self._decode_padding = padding
         return padding
+
+    def decode_window(self, window: int, block_size: int) -> DecodeWindow:
+        """The blocks holding each decode row's last ``window`` keys, for a sliding layer
+        (built by the first layer that asks, reused by the rest of the step). Only device
+        ops, no host sync: CUDA graphs capture it."""
+        key = (window, block_size)
+        cached = self._decode_windows.get(key)
+        if cached is None:
+            assert self.decode_block_table is not None and self.decode_context_lens is not None
+            cached = DecodeWindow.build(
+                self.decode_block_table, self.decode_context_lens, window, block_size
+            )
+            self._decode_windows[key] = cached
+        return cached
+
+
+@dataclass(frozen=True)
+class DecodeWindow:
+    """Decode rows' sliding-window blocks: row ``i``'s table starts at the block holding
+    its first key inside the window (position ``context_len - window``, or 0), so the work
+    and the blocks read are bounded by the window whatever the context; ``hidden`` marks
+    the keys those blocks hold outside the window or past the context."""
+
+    block_table: torch.Tensor  # [rows, blocks], blocks <= ceil((window - 1) / size) + 1
+    hidden: torch.Tensor  # [rows, blocks * block_size], True = masked
+
+    @classmethod
+    def build(
+        cls, table: torch.Tensor, context_lens: torch.Tensor, window: int, block_size: int
+    ) -> DecodeWindow:
+        count = min(table.shape[1], -(-(window - 1) // block_size) + 1)
+        first = (context_lens - window).clamp_min(0) // block_size  # [rows]
+        last = (context_lens - 1) // block_size  # -1 for a padding row (context 0)
+        steps = torch.arange(count, device=table.device)
+        # Past a row's last block the index repeats it (never a pad entry, which may be a
+        # placeholder block); the keys there lie past the context and are masked.
+        index = torch.minimum(first[:, None] + steps, last[:, None]).clamp_min(0)
+        keys = torch.arange(count * block_size, device=table.device)
+        positions = first[:, None] * block_size + keys  # of the keys as laid out, unclamped
+        hidden = (positions >= context_lens[:, None]) | (
+            positions < (context_lens - window)[:, None]
+        )
+        return cls(table.gather(1, index), hidden)
 
 
 def build_metadata(
@@ -237,118 +270,3 @@ def _prefill_tables(
             [c.num_computed for c in chunks], dtype=torch.long, device=device
         ),
     )
-
-
-def paged_attention(
-    layer: int,
-    qkv: torch.Tensor,
-    spec: ModelSpec,
-    cache: PagedKVCache,
-    meta: AttentionMetadata,
-    scale: float,
-    kernels: TorchKernels,
-) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend every row to its context.
-
-    ``qkv`` is the rotated ``[tokens, q_size + 2 * kv_size]`` projection output.
-    Returns ``[tokens, heads * head_dim]``. ``meta`` is the step's; the layer reads its KV
-    group's block tables.
-    """
-    meta = meta.for_layer(layer)
-    kernels.write_kv(cache, layer, qkv, meta.slots, spec)
-    if meta.varlen is not None:  # the whole batch in one launch
-        return kernels.varlen_attention(cache, layer, qkv, meta, spec, scale)
-    parts: list[torch.Tensor] = []
-    if meta.num_decodes:
-        decodes = qkv[: meta.num_decodes]
-        parts.append(kernels.decode_attention(cache, layer, decodes, meta, spec, scale))
-    if meta.prefills:
-        parts.append(kernels.prefill_attention(cache, layer, qkv, meta, spec, scale))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-
-
-def split_heads(
-    qkv: torch.Tensor, spec: ModelSpec
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Views of a qkv tensor's query ``[tokens, heads, head_dim]`` and key and value
-    ``[tokens, kv_heads, head_dim]`` heads (queries, then keys, then values in each row)."""
-    tokens = qkv.shape[0]
-    query = qkv[:, : spec.q_size].view(tokens, spec.num_heads, spec.head_dim)
-    kv = qkv[:, spec.q_size :].view(tokens, 2, spec.num_kv_heads, spec.head_dim)
-    return query, kv[:, 0], kv[:, 1]
-
-
-def decode_attention_torch(
-    layer: int, query: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata, scale: float
-) -> torch.Tensor:
-    """Decode attention in torch: gather the padded block tables, then two batched matmuls.
-
-    ``query`` is ``[num_decodes, heads, head_dim]``; returns ``[num_decodes, heads * head_dim]``.
-    """
-    assert meta.decode_block_table is not None and meta.decode_context_lens is not None
-    batch, heads, head_dim = query.shape
-    keys, values = cache.gather(layer, meta.decode_block_table.view(-1))
-    kv_heads = keys.shape[0]
-    group = heads // kv_heads
-    # One flat batch of (kv head, request) pairs: [kv_heads * batch, group, head_dim] queries
-    # against [kv_heads * batch, tokens, head_dim] keys. Explicit 3-D bmm avoids the extra
-    # copies matmul makes for 4-D operands.
-    keys = keys.view(kv_heads * batch, -1, head_dim)
-    values = values.view(kv_heads * batch, -1, head_dim)
-    grouped = query.view(batch, kv_heads, group, head_dim).transpose(0, 1) * scale
-    scores = torch.bmm(grouped.reshape(kv_heads * batch, group, head_dim), keys.transpose(1, 2))
-    padding = meta.decode_padding(scores.shape[-1])
-    scores.view(kv_heads, batch, group, -1).masked_fill_(padding[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-    out = torch.bmm(probs, values).view(kv_heads, batch, group, head_dim)
-    return out.transpose(0, 1).reshape(batch, heads * head_dim)
-
-
-def prefill_attention_torch(
-    layer: int,
-    qkv: torch.Tensor,
-    spec: ModelSpec,
-    cache: PagedKVCache,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Prefill attention in torch: SDPA per chunk. Returns ``[prefill rows, heads * head_dim]``."""
-    query, key, value = split_heads(qkv, spec)
-    parts = [
-        _prefill_attention(layer, query, key, value, cache, span, scale) for span in meta.prefills
-    ]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-
-
-def _prefill_attention(
-    layer: int,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cache: PagedKVCache,
-    span: PrefillSpan,
-    scale: float,
-) -> torch.Tensor:
-    q = query[span.start : span.end].transpose(0, 1).unsqueeze(0)
-    mask = None
-    if span.num_computed == 0:
-        # The whole context is this chunk: use the fresh K/V, no cache read needed.
-        k = key[span.start : span.end].transpose(0, 1).unsqueeze(0)
-        v = value[span.start : span.end].transpose(0, 1).unsqueeze(0)
-    else:
-        context = span.num_computed + (span.end - span.start)
-        keys, values = cache.gather(layer, span.block_ids)
-        k = keys[:, :context].unsqueeze(0)
-        v = values[:, :context].unsqueeze(0)
-        query_pos = torch.arange(span.num_computed, context, device=q.device).unsqueeze(1)
-        mask = torch.arange(context, device=q.device).unsqueeze(0) <= query_pos
-    out = F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    return out[0].transpose(0, 1).reshape(span.end - span.start, -1)

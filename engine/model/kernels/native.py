@@ -1,4 +1,5 @@
-"""Builds and loads the fused CPU kernels in csrc/ (``torch.ops.kvserve.*``).
+"""The fused CPU kernels in csrc/ (``torch.ops.kvserve.*``): their build, and
+``NativeKernels``, the backend that calls them.
 
 The extension is compiled once per machine with torch's JIT extension builder (g++ and
 ninja; about 25 s on two cores, the sources in parallel) and cached under
@@ -13,6 +14,12 @@ can test and time both (tests/model/test_cpu_isa.py).
 
 ``load_native_ops`` returns whether the ops are usable; it never raises for a failed build
 (no compiler, no ninja): callers fall back to the torch kernels and say so.
+
+``NativeKernels`` defers to the torch backend, call by call, for what the fused ops do not
+cover: writing a quantized KV cache (the torch write computes the scales), reading an fp8
+one, partial rotary, a float32 norm weight on a narrower activation (Gemma's norms), and
+attention whose window, soft-cap or sinks matter for the step
+(``AttentionParams.is_plain_within``; the kernels take none of them yet).
 """
 
 from __future__ import annotations
@@ -22,6 +29,12 @@ import logging
 from pathlib import Path
 
 import torch
+
+from engine.model.kernels.base import TorchKernels
+from engine.model.kernels.metadata import AttentionMetadata
+from engine.model.kernels.params import AttentionParams
+from engine.model.runtime.kv_cache import PagedKVCache
+from engine.model.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +56,10 @@ SOURCES = (
     "decode_layers.cpp",
     "register.cpp",
 )
+# Activation and weight dtypes the fused ops take.
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# KV storage the native attention reads directly (int8 with its per-token scales).
+_NATIVE_CACHE_DTYPES = (*NATIVE_DTYPES, torch.int8)
 _CAPABILITY_FLAGS: dict[str, list[str]] = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
@@ -83,3 +100,131 @@ def _build_and_load() -> None:
         is_python_module=False,
         verbose=False,
     )
+
+
+class NativeKernels(TorchKernels):
+    """Fused CPU kernels (torch.ops.kvserve); see csrc/ops.h."""
+
+    name = "native"
+
+    def __init__(self) -> None:
+        if not load_native_ops():
+            raise RuntimeError(native_ops_error())
+        self.ops = torch.ops.kvserve
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if weight.dtype != x.dtype:  # Gemma's float32 norms multiply before rounding
+            return super().rms_norm(x, weight, eps)
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self.ops.rms_norm(out, x, weight, eps)
+        return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        if weight.dtype != x.dtype:
+            return super().add_rms_norm(x, residual, weight, eps)
+        x = x.contiguous()
+        self.ops.add_rms_norm(x, residual, weight, eps)
+        return x
+
+    def rotary(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        spec: ModelSpec,
+    ) -> torch.Tensor:
+        if cos.shape[-1] != spec.head_dim:  # partial rotary
+            return super().rotary(qkv, positions, cos, sin, spec)
+        qkv = qkv.contiguous()
+        rotated_heads = spec.num_heads + spec.num_kv_heads
+        self.ops.rotary_(qkv, positions, cos, sin, rotated_heads, spec.head_dim)
+        return qkv
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+        self.ops.silu_and_mul(out, x)
+        return out
+
+    def write_kv(
+        self,
+        cache: PagedKVCache,
+        layer: int,
+        qkv: torch.Tensor,
+        slots: torch.Tensor,
+        spec: ModelSpec,
+    ) -> None:
+        if cache.is_quantized:
+            super().write_kv(cache, layer, qkv, slots, spec)
+            return
+        key_cache, value_cache = cache.layer(layer)
+        self.ops.write_kv(
+            key_cache, value_cache, qkv, slots, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        )
+
+    def decode_attention(
+        self,
+        cache: PagedKVCache,
+        layer: int,
+        qkv: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: ModelSpec,
+        params: AttentionParams,
+    ) -> torch.Tensor:
+        key_cache, value_cache = cache.layer(layer)
+        assert meta.decode_block_table is not None and meta.decode_context_lens is not None
+        longest = meta.decode_block_table.shape[1] * cache.block_size
+        if key_cache.dtype not in _NATIVE_CACHE_DTYPES or not params.is_plain_within(longest):
+            return super().decode_attention(cache, layer, qkv, meta, spec, params)
+        out = qkv.new_empty(meta.num_decodes, spec.q_size)
+        self.ops.paged_decode_attention(
+            out,
+            qkv,
+            key_cache,
+            value_cache,
+            meta.decode_block_table,
+            meta.decode_context_lens,
+            spec.num_heads,
+            spec.num_kv_heads,
+            params.scale,
+            *cache.layer_scales(layer),
+        )
+        return out
+
+    def prefill_attention(
+        self,
+        cache: PagedKVCache,
+        layer: int,
+        qkv: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: ModelSpec,
+        params: AttentionParams,
+    ) -> torch.Tensor:
+        key_cache, value_cache = cache.layer(layer)
+        tables = meta.prefill_tables
+        if (
+            key_cache.dtype not in _NATIVE_CACHE_DTYPES  # fp8
+            or tables is None
+            or not params.is_plain_within(tables.block_table.shape[1] * cache.block_size)
+        ):
+            return super().prefill_attention(cache, layer, qkv, meta, spec, params)
+        rows = qkv[meta.num_decodes :]  # a row slice of a contiguous tensor: no copy
+        out = qkv.new_empty(rows.shape[0], spec.q_size)
+        self.ops.paged_prefill_attention(
+            out,
+            rows,
+            key_cache,
+            value_cache,
+            tables.block_table,
+            tables.query_starts,
+            tables.num_computed,
+            spec.num_heads,
+            spec.num_kv_heads,
+            params.scale,
+            *cache.layer_scales(layer),
+        )
+        return out

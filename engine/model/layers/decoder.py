@@ -1,50 +1,73 @@
-"""A Llama-family decoder whose attention reads and writes a paged KV cache.
+"""The one decoder every family instantiates: embeddings, layers of attention and MLP
+sublayers over a residual stream, final norm, LM head; attention reads and writes a
+paged KV cache.
 
-Weights are plain tensors in a fused layout (QKV in one matrix, gate and up in one
-matrix) so that each layer costs few kernel launches and little Python. The forward
-returns final hidden states only for the rows the caller asks for, so a long prefill
-never materialises a ``[tokens, vocab]`` logits matrix.
+A family (engine/model/families/) says how its layers combine through ``DecoderOptions``
+and which norms its ``LayerWeights`` carry. Each sublayer computes
+``residual += post_norm(sublayer(pre_norm(residual))) * residual_multiplier``, every part
+optional: pre-norm only (Llama), sandwich norms (Gemma 2/3), post-norm only (OLMo 2). The
+residual stream is one tensor updated in place, and where a sublayer has a pre-norm the
+previous sublayer's add is fused into it (``add_rms_norm``). The forward returns final
+hidden states only for the rows the caller asks for, so a long prefill never materialises
+a ``[tokens, vocab]`` logits matrix.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from engine.model.kernels.base import TorchKernels
-from engine.model.kernels.metadata import AttentionMetadata, paged_attention
-from engine.model.layers.linear import DenseLinear, Linear
-from engine.model.runtime.cpu_decode import DecodeLayers
+from engine.model.kernels.base import Kernels, TorchKernels
+from engine.model.kernels.metadata import AttentionMetadata
+from engine.model.kernels.params import AttentionParams
+from engine.model.layers.attention import AttentionLayer, AttentionWeights
+from engine.model.layers.linear import DenseLinear, Linear, parameter_bytes
+from engine.model.layers.mlp import MLP, SILU, GatedMLP
+from engine.model.layers.rotary import RotaryEmbedding
+from engine.model.runtime.cpu_decode import DecodeLayers, PlainLayer
 from engine.model.runtime.kv_cache import PagedKVCache
 from engine.model.spec import ModelSpec
 
 
+@dataclass(frozen=True)
+class DecoderOptions:
+    """How a family's layers combine, beyond the weights it loads. Defaults are Llama's."""
+
+    qk_norm: str | None = None  # layers/attention.py: QK_NORM_PER_HEAD or QK_NORM_ALL_HEADS
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None  # Gemma 2's attention logit soft-cap
+    final_softcap: float | None = None  # Gemma 2/3's final logit soft-cap
+    embedding_scale: float | None = None  # Gemma: sqrt(hidden) in the model dtype; Granite
+    residual_multiplier: float | None = None  # Granite: scales each sublayer's output
+    logits_divisor: float | None = None  # Granite: logits / logits_scaling
+
+
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor  # [hidden]
-    qkv: Linear  # [q_size + 2 * kv_size, hidden], with the QKV bias when the model has one
-    o_proj: Linear  # [hidden, q_size]
-    post_norm: torch.Tensor  # [hidden]
-    gate_up: Linear  # [2 * intermediate, hidden]
-    down: Linear  # [hidden, intermediate]
+    """One layer's weights. A norm left None is not applied."""
+
+    attention: AttentionWeights
+    mlp: MLP
+    input_norm: torch.Tensor | None = None  # before attention (Llama's input_layernorm)
+    pre_mlp_norm: torch.Tensor | None = None  # before the MLP (Llama's post_attention_layernorm)
+    post_attention_norm: torch.Tensor | None = None  # after attention (Gemma, OLMo 2)
+    post_mlp_norm: torch.Tensor | None = None  # after the MLP (Gemma, OLMo 2)
 
     @property
     def nbytes(self) -> int:
-        norms = _tensor_bytes(self.input_norm) + _tensor_bytes(self.post_norm)
-        projections = (self.qkv, self.o_proj, self.gate_up, self.down)
-        return norms + sum(linear.nbytes for linear in projections)
+        return parameter_bytes(self)
 
     @property
     def decode_nbytes(self) -> int:
-        norms = _tensor_bytes(self.input_norm) + _tensor_bytes(self.post_norm)
-        projections = (self.qkv, self.o_proj, self.gate_up, self.down)
-        return norms + sum(linear.decode_nbytes for linear in projections)
+        return parameter_bytes(self, decode=True)
 
 
 @dataclass
-class LlamaWeights:
+class ModelWeights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     final_norm: torch.Tensor
@@ -57,8 +80,7 @@ class LlamaWeights:
     @property
     def nbytes(self) -> int:
         """Bytes of every stored parameter; a tied LM head is the embedding, counted once."""
-        total = _tensor_bytes(self.embed) + _tensor_bytes(self.final_norm)
-        total += sum(layer.nbytes for layer in self.layers)
+        total = parameter_bytes([self.embed, self.final_norm, self.layers])
         return total if self.lm_head_tied else total + self.lm_head.nbytes
 
     @property
@@ -67,61 +89,58 @@ class LlamaWeights:
         norms and few-row projection copies, the final norm and the LM head (the
         embedding itself only when the head is tied to it; a lookup reads one row). The
         memory floor of a batch-1 token is this over the read bandwidth."""
-        layers = sum(layer.decode_nbytes for layer in self.layers)
-        return layers + _tensor_bytes(self.final_norm) + self.lm_head.decode_nbytes
+        layers = parameter_bytes(self.layers, decode=True)
+        return layers + parameter_bytes(self.final_norm) + self.lm_head.decode_nbytes
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-class RotaryEmbedding:
-    """Precomputed cos/sin tables indexed by position (rotate-half convention)."""
-
-    def __init__(
-        self,
-        inv_freq: torch.Tensor,
-        attention_scaling: float,
-        max_positions: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ):
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        angles = torch.outer(positions, inv_freq.to(torch.float32))
-        angles = torch.cat([angles, angles], dim=-1)
-        self.cos = (angles.cos() * attention_scaling).to(dtype=dtype, device=device)
-        self.sin = (angles.sin() * attention_scaling).to(dtype=dtype, device=device)
-
-
-class LlamaModel:
+class DecoderModel:
     """The decoder: ``forward`` over a flattened mixed batch, ``logits`` for chosen rows.
 
-    ``kernels`` does the norms, rotary, activation and attention (engine/model/kernels/base.py);
-    the projections are the weights' own ``Linear`` objects. With the native CPU kernels, a
-    step of a few decodes runs every layer in one native call instead (``fast_decode``,
-    engine/model/runtime/cpu_decode.py: the same kernels in the same order, bit-identical).
+    ``kernels`` does the norms, rotary, activation and attention (engine/model/kernels/);
+    the projections are the weights' own ``Linear`` objects. ``ropes`` maps each
+    ``LayerSpec.rope`` name to its table. With the native CPU kernels, a step of a few
+    decodes of a Llama-shaped model runs every layer in one native call instead
+    (``fast_decode``, runtime/cpu_decode.py: the same kernels in the same order,
+    bit-identical).
     """
 
     def __init__(
         self,
         spec: ModelSpec,
-        weights: LlamaWeights,
-        rope: RotaryEmbedding,
-        kernels: TorchKernels | None = None,
+        weights: ModelWeights,
+        ropes: Mapping[str, RotaryEmbedding],
+        kernels: Kernels | None = None,
+        options: DecoderOptions | None = None,
     ):
         self.spec = spec
         self.weights = weights
-        self.rope = rope
-        self.kernels = kernels if kernels is not None else TorchKernels()
-        self.scale = spec.head_dim**-0.5
+        self.ropes = dict(ropes)
+        self.kernels: Kernels = kernels if kernels is not None else TorchKernels()
+        self.options = options if options is not None else DecoderOptions()
+        self.attention = tuple(
+            AttentionLayer(index, self._params(index), self.ropes[layer.rope], self.options.qk_norm)
+            for index, layer in enumerate(spec.layers)
+        )
         native = self.kernels.name == "native"
-        self.fast_decode = DecodeLayers.build(weights) if native else None
+        self.fast_decode = fast_decode_path(self) if native else None
+
+    def _params(self, index: int) -> AttentionParams:
+        spec, options = self.spec, self.options
+        scale = options.attention_scale
+        return AttentionParams(
+            scale=spec.head_dim**-0.5 if scale is None else scale,
+            window=spec.layers[index].window,
+            softcap=options.attn_softcap,
+            sinks=self.weights.layers[index].attention.sinks,
+        )
 
     def replace(
-        self, weights: LlamaWeights | None = None, kernels: TorchKernels | None = None
-    ) -> LlamaModel:
+        self, weights: ModelWeights | None = None, kernels: Kernels | None = None
+    ) -> DecoderModel:
         """The same model with other weights (e.g. quantized) or another kernel backend."""
-        return LlamaModel(self.spec, weights or self.weights, self.rope, kernels or self.kernels)
+        return DecoderModel(
+            self.spec, weights or self.weights, self.ropes, kernels or self.kernels, self.options
+        )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -131,47 +150,106 @@ class LlamaModel:
     def device(self) -> torch.device:
         return self.weights.embed.device
 
+    @property
+    def plain_attention(self) -> bool:
+        """Whether every layer's attention is plain causal softmax (no window, soft-cap or
+        sinks), which every backend's kernels compute without deferring."""
+        return all(layer.params.is_plain for layer in self.attention)
+
     @torch.inference_mode()
     def forward(
         self, token_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache
     ) -> torch.Tensor:
-        """Hidden states ``[tokens, hidden]`` after the last layer (before the final norm).
-
-        The residual stream is one tensor updated in place; ``add_rms_norm`` folds each
-        sublayer's output into it and normalises for the next sublayer in one call.
-        """
-        eps = self.spec.rms_norm_eps
-        kernels = self.kernels
-        layers = self.weights.layers
+        """Hidden states ``[tokens, hidden]`` after the last layer (before the final norm)."""
         residual = F.embedding(token_ids, self.weights.embed)
+        if self.options.embedding_scale is not None:
+            residual.mul_(self.options.embedding_scale)
         fast = self.fast_decode
-        if fast is not None and kernels.name == "native" and fast.serves(meta, cache):
-            rope = (self.rope.cos, self.rope.sin)
-            return fast.run(residual, meta, cache, self.spec, rope, self.scale)
-        hidden = kernels.rms_norm(residual, layers[0].input_norm, eps)
-        for index, layer in enumerate(layers):
-            if index:
-                hidden = kernels.add_rms_norm(hidden, residual, layer.input_norm, eps)
-            hidden = self._attention(index, layer, hidden, meta, cache)
-            hidden = kernels.add_rms_norm(hidden, residual, layer.post_norm, eps)
-            hidden = layer.down(kernels.silu_and_mul(layer.gate_up(hidden)))
-        return residual.add_(hidden)
+        if fast is not None and fast.serves(meta, cache):
+            rope = self.attention[0].rope
+            scale = self.attention[0].params.scale
+            return fast.run(residual, meta, cache, self.spec, (rope.cos, rope.sin), scale)
+        pending: torch.Tensor | None = None  # the last sublayer's output, not yet added
+        for layer, attention in zip(self.weights.layers, self.attention, strict=True):
+            hidden = self._enter(pending, residual, layer.input_norm)
+            out = attention(layer.attention, hidden, meta, cache, self.spec, self.kernels)
+            pending = self._leave(out, layer.post_attention_norm)
+            hidden = self._enter(pending, residual, layer.pre_mlp_norm)
+            pending = self._leave(layer.mlp(hidden, self.kernels), layer.post_mlp_norm)
+        return residual if pending is None else residual.add_(pending)
+
+    def _enter(
+        self, pending: torch.Tensor | None, residual: torch.Tensor, norm: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Add the previous sublayer's output into the residual stream and return the next
+        sublayer's input: the normalised stream, or the stream itself without a pre-norm."""
+        eps = self.spec.rms_norm_eps
+        if norm is None:
+            if pending is not None:
+                residual.add_(pending)
+            return residual
+        if pending is None:
+            return self.kernels.rms_norm(residual, norm, eps)
+        return self.kernels.add_rms_norm(pending, residual, norm, eps)
+
+    def _leave(self, out: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
+        """A sublayer's output as it joins the residual stream."""
+        if norm is not None:
+            out = self.kernels.rms_norm(out, norm, self.spec.rms_norm_eps)
+        if self.options.residual_multiplier is not None:
+            out = out * self.options.residual_multiplier
+        return out
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given final hidden rows."""
         normed = self.kernels.rms_norm(hidden, self.weights.final_norm, self.spec.rms_norm_eps)
-        return self.weights.lm_head(normed).to(torch.float32)
+        logits = self.weights.lm_head(normed)
+        options = self.options
+        if options.logits_divisor is not None:
+            logits = logits / options.logits_divisor
+        if options.final_softcap is not None:
+            logits = torch.tanh(logits / options.final_softcap) * options.final_softcap
+        return logits.to(torch.float32)
 
-    def _attention(
-        self,
-        index: int,
-        layer: LayerWeights,
-        x: torch.Tensor,
-        meta: AttentionMetadata,
-        cache: PagedKVCache,
-    ) -> torch.Tensor:
-        qkv = layer.qkv(x)
-        qkv = self.kernels.rotary(qkv, meta.positions, self.rope.cos, self.rope.sin, self.spec)
-        attended = paged_attention(index, qkv, self.spec, cache, meta, self.scale, self.kernels)
-        return layer.o_proj(attended)
+
+def fast_decode_path(model: DecoderModel) -> DecodeLayers | None:
+    """The native decode path for a model whose every layer is Llama-shaped (pre-norm in
+    the model dtype, plain attention with one scale and one full-width RoPE table, no
+    QK-norm, a SwiGLU MLP) and whose residual is not scaled; None otherwise."""
+    options = model.options
+    reshaped = dataclasses.replace(options, embedding_scale=None, attention_scale=None)
+    if reshaped != DecoderOptions() or len(model.ropes) != 1:
+        return None
+    rope = next(iter(model.ropes.values()))
+    if rope.cos.shape[-1] != model.spec.head_dim:
+        return None
+    scales = {layer.params.scale for layer in model.attention}
+    plain = all(p.softcap is None and p.sinks is None for p in (a.params for a in model.attention))
+    if len(scales) != 1 or not plain:
+        return None
+    layers = [_plain_layer(layer, model.dtype) for layer in model.weights.layers]
+    if any(layer is None for layer in layers):
+        return None
+    windows = [w for w in model.spec.layer_windows if w is not None]
+    return DecodeLayers.build(
+        [layer for layer in layers if layer is not None], min(windows, default=None)
+    )
+
+
+def _plain_layer(layer: LayerWeights, dtype: torch.dtype) -> PlainLayer | None:
+    attention, mlp = layer.attention, layer.mlp
+    norms = (layer.input_norm, layer.pre_mlp_norm)
+    if (
+        layer.post_attention_norm is not None
+        or layer.post_mlp_norm is not None
+        or attention.q_norm is not None
+        or attention.sinks is not None
+        or not isinstance(mlp, GatedMLP)
+        or mlp.activation != SILU
+        or norms[0] is None
+        or norms[1] is None
+        or any(norm.dtype != dtype for norm in norms if norm is not None)
+    ):
+        return None
+    return PlainLayer(norms[0], norms[1], attention.qkv, attention.o_proj, mlp.gate_up, mlp.down)

@@ -27,15 +27,12 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from engine.model.kernels.native import load_native_ops
-
-if TYPE_CHECKING:
-    from engine.model.layers.decoder import LayerWeights, LlamaWeights
 
 QUANTIZATION_METHODS: tuple[str, ...] = ("none", "int8", "int4")
 # Calls with at most this many rows take the row-major int8 kernel when it is loaded: up to
@@ -402,26 +399,6 @@ def check_quantization(method: str, device: torch.device, kernels: str = "native
         )
 
 
-def quantize_weights(
-    weights: LlamaWeights, method: str, rowwise: bool = False, kernels: str = "native"
-) -> LlamaWeights:
-    """The same model with its projections and LM head in ``method`` (``none``: unchanged).
-
-    The LM head gets its own int8 copy (int8 and int4) even when tied to the embedding: the
-    lookup table stays in the serving dtype and both count toward the weight bytes. With
-    int4 the decoder's projections are 4-bit. ``rowwise`` adds the int8 row-major copy for
-    few-row calls (unquantized, it sends a bf16 model's few-row calls to the native bf16
-    kernel where the CPU has AVX512_BF16); it and int4 need the native kernels
-    (``kernels`` names the backend).
-    """
-    check_quantization(method, weights.embed.device, kernels)
-    if method == "none":
-        return _with_bf16_rowwise(weights) if rowwise else weights
-    layers = [_quantize_layer(layer, method, rowwise) for layer in weights.layers]
-    lm_head = _to_int8(weights.lm_head, rowwise)
-    return dataclasses.replace(weights, layers=layers, lm_head=lm_head)
-
-
 def int8_integer_supported() -> bool:
     """Whether the few-row int8 layers take the integer kernel on this CPU (VNNI, or the
     same math on AVX2): activations rounded to int8 per group of 64."""
@@ -438,58 +415,57 @@ def bf16_rowwise_supported(weight: torch.Tensor) -> bool:
     )
 
 
-def _with_bf16_rowwise(weights: LlamaWeights) -> LlamaWeights:
-    """The dense projections and LM head with the few-row bf16 kernel turned on, where the
-    weights are bf16 and the CPU has AVX512_BF16; otherwise ``weights`` unchanged."""
-    if not bf16_rowwise_supported(weights.embed):
-        return weights
-
-    def rowwise(linear: Linear) -> Linear:
-        if isinstance(linear, DenseLinear) and linear.weight.is_contiguous():
-            return DenseLinear(linear.weight, linear.bias, rowwise=True)
-        return linear
-
-    layers = [_map_projections(layer, rowwise) for layer in weights.layers]
-    return dataclasses.replace(weights, layers=layers, lm_head=rowwise(weights.lm_head))
-
-
-def _quantize_layer(layer: LayerWeights, method: str, rowwise: bool) -> LayerWeights:
-    def convert(linear: Linear) -> Linear:
-        return _to_int4(linear) if method == "int4" else _to_int8(linear, rowwise)
-
-    return _map_projections(layer, convert)
-
-
-def _map_projections(layer: LayerWeights, convert: Callable[[Linear], Linear]) -> LayerWeights:
-    """The layer with each of its four projections replaced by ``convert(projection)``."""
-    return dataclasses.replace(
-        layer,
-        qkv=convert(layer.qkv),
-        o_proj=convert(layer.o_proj),
-        gate_up=convert(layer.gate_up),
-        down=convert(layer.down),
-    )
-
-
-def _dense(linear: Linear) -> DenseLinear:
-    if not isinstance(linear, DenseLinear):
-        raise TypeError(f"cannot quantize a {type(linear).__name__}")
-    return linear
-
-
-def _to_int8(linear: Linear, rowwise: bool) -> Int8Linear:
-    if isinstance(linear, Int8Linear):
-        return linear
-    dense = _dense(linear)
-    return Int8Linear.from_dense(dense.weight, dense.bias, rowwise=rowwise)
-
-
-def _to_int4(linear: Linear) -> Int4Linear:
-    if isinstance(linear, Int4Linear):
-        return linear
-    dense = _dense(linear)
-    return Int4Linear.from_dense(dense.weight, dense.bias)
-
-
 def _tensor_bytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+LINEAR_TYPES = (DenseLinear, Int8Linear, Int4Linear)
+
+
+def map_linears(weights: Any, convert: Callable[[Linear], Linear]) -> Any:
+    """``weights`` with every linear layer it holds replaced by ``convert(linear)``.
+
+    Walks dataclasses (rebuilt with ``dataclasses.replace``), lists and tuples; tensors and
+    other values are kept as they are. This is how quantization reaches every family's
+    projections (and an MoE's experts) without knowing their layout."""
+    if isinstance(weights, LINEAR_TYPES):
+        return convert(weights)
+    if dataclasses.is_dataclass(weights) and not isinstance(weights, type):
+        changes = {
+            f.name: map_linears(getattr(weights, f.name), convert)
+            for f in dataclasses.fields(weights)
+            if f.init
+        }
+        return dataclasses.replace(weights, **changes)
+    if isinstance(weights, (list, tuple)):
+        return type(weights)(map_linears(item, convert) for item in weights)
+    return weights
+
+
+def linear_layers(weights: Any) -> list[Linear]:
+    """Every linear layer ``weights`` holds, in field order (walked as ``map_linears``)."""
+    found: list[Linear] = []
+
+    def collect(linear: Linear) -> Linear:
+        found.append(linear)
+        return linear
+
+    map_linears(weights, collect)
+    return found
+
+
+def parameter_bytes(weights: Any, decode: bool = False) -> int:
+    """Bytes of every tensor and linear layer ``weights`` holds (walked as ``map_linears``
+    walks), or with ``decode`` the bytes a one-row call reads (``Linear.decode_nbytes``).
+    Any other object with ``nbytes`` and ``decode_nbytes`` (say an MoE block whose decode
+    step reads only some experts) is asked rather than walked."""
+    if isinstance(weights, torch.Tensor):
+        return _tensor_bytes(weights)
+    if dataclasses.is_dataclass(weights) and not isinstance(weights, type):
+        fields = dataclasses.fields(weights)
+        return sum(parameter_bytes(getattr(weights, f.name), decode) for f in fields)
+    if isinstance(weights, (list, tuple)):
+        return sum(parameter_bytes(item, decode) for item in weights)
+    if hasattr(weights, "decode_nbytes"):
+        return int(weights.decode_nbytes if decode else weights.nbytes)
+    return 0

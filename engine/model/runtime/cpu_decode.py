@@ -3,25 +3,28 @@
 A single-stream decode step on two cores takes ~4 ms with int4 weights, and ~1.3 ms of
 that was Python and torch's dispatcher: ten op calls a layer (norms, four projections,
 rotary, KV write, attention, SiLU) times thirty layers. ``torch.ops.kvserve.decode_layers``
-(csrc/decode_layers.cpp) runs the same kernels in the same order from C++, so its output
-is bit-identical to ``LlamaModel.forward``'s loop (tests/model/test_cpu_decode.py).
+(kernels/csrc/decode_layers.cpp) runs the same kernels in the same order from C++, so its
+output is bit-identical to ``DecoderModel.forward``'s loop (tests/model/test_cpu_decode.py).
 
+It runs Llama-shaped layers only (``PlainLayer``: pre-norm attention and SwiGLU MLP, plain
+attention); the decoder decides whether a model's layers are (layers/decoder.py).
 ``DecodeLayers.build`` describes each projection once, as the few-row kernel it takes and
 its tensors; ``serves`` says whether a step can take the path: at most ``MAX_ROWS`` decode
 rows (so every projection is on its few-row kernel) and no prefill, an unquantized KV
-cache, and a model whose projections have no bias and all have such a kernel. Everything
-else (prefills, larger batches, fp8/int8 caches, biased or fbgemm-only projections) runs
-the Python loop.
+cache, no context reaching past a sliding window, and a model whose projections have no
+bias and all have such a kernel. Everything else (prefills, larger batches, fp8/int8
+caches, biased or fbgemm-only projections) runs the Python loop.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from engine.model.kernels.metadata import AttentionMetadata
 from engine.model.layers.linear import (
     BF16_ROWWISE_MAX_ROWS,
     INT4_INTEGER_MAX_ROWS,
@@ -32,12 +35,8 @@ from engine.model.layers.linear import (
     Int8Linear,
     Linear,
 )
-
-if TYPE_CHECKING:
-    from engine.model.kernels.metadata import AttentionMetadata
-    from engine.model.layers.decoder import LlamaWeights
-    from engine.model.runtime.kv_cache import PagedKVCache
-    from engine.model.spec import ModelSpec
+from engine.model.runtime.kv_cache import PagedKVCache
+from engine.model.spec import ModelSpec
 
 # Rows every projection serves with its few-row kernel (the smallest of their limits).
 MAX_ROWS = min(ROWWISE_MAX_ROWS, BF16_ROWWISE_MAX_ROWS, INT4_INTEGER_MAX_ROWS)
@@ -71,35 +70,50 @@ def projection_operands(
 
 
 @dataclass(frozen=True)
+class PlainLayer:
+    """One Llama-shaped layer as ``decode_layers`` runs it: RMSNorm (weight in the model
+    dtype), attention, residual add, RMSNorm, SwiGLU MLP, residual add."""
+
+    input_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    qkv: Linear
+    o_proj: Linear
+    gate_up: Linear
+    down: Linear
+
+
+@dataclass(frozen=True)
 class DecodeLayers:
     """The decoder's weights as ``decode_layers`` takes them."""
 
     weights: tuple[torch.Tensor, ...]  # per layer: 2 norms, then (a, b) x 4 projections
     kinds: tuple[int, ...]  # per layer: the 4 projections' LinearKind
+    window: int | None = None  # the smallest sliding window of any layer
 
     @classmethod
-    def build(cls, weights: LlamaWeights) -> DecodeLayers | None:
-        """The path for these weights, or None where a projection has no few-row kernel
-        (or a bias) or the weights are not on the CPU."""
-        if weights.embed.device.type != "cpu":
+    def build(cls, layers: Sequence[PlainLayer], window: int | None = None) -> DecodeLayers | None:
+        """The path for these layers (whose smallest sliding window is ``window``), or
+        None where a projection has no few-row kernel (or a bias) or the weights are not
+        on the CPU."""
+        if not layers or layers[0].input_norm.device.type != "cpu":
             return None
-        dtype = weights.embed.dtype
+        dtype = layers[0].input_norm.dtype
         tensors: list[torch.Tensor] = []
         kinds: list[int] = []
-        for layer in weights.layers:
-            tensors += [layer.input_norm, layer.post_norm]
+        for layer in layers:
+            tensors += [layer.input_norm, layer.mlp_norm]
             for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
                 operands = projection_operands(linear, dtype)
                 if operands is None:
                     return None
                 kinds.append(int(operands[0]))
                 tensors += operands[1:]
-        return cls(tuple(tensors), tuple(kinds))
+        return cls(tuple(tensors), tuple(kinds), window)
 
-    @staticmethod
-    def serves(meta: AttentionMetadata, cache: PagedKVCache) -> bool:
-        """Whether a step can take the path: a few decodes, no prefill, a plain cache, one
-        KV group (the native loop reads one block table for every layer)."""
+    def serves(self, meta: AttentionMetadata, cache: PagedKVCache) -> bool:
+        """Whether a step can take the path: a few decodes, no prefill, a plain cache, and
+        no context long enough for a sliding window to hide a key (the native attention
+        takes no window; the padded table's width bounds every context)."""
         return (
             0 < meta.num_decodes <= MAX_ROWS
             and not meta.prefills
@@ -107,7 +121,13 @@ class DecodeLayers:
             and meta.group_metas is None
             and not cache.is_quantized
             and cache.pool.key.dtype in _CACHE_DTYPES
+            and (self.window is None or self._longest_context(meta, cache) <= self.window)
         )
+
+    @staticmethod
+    def _longest_context(meta: AttentionMetadata, cache: PagedKVCache) -> int:
+        assert meta.decode_block_table is not None
+        return meta.decode_block_table.shape[1] * cache.block_size
 
     def run(
         self,
@@ -118,7 +138,7 @@ class DecodeLayers:
         rope: tuple[torch.Tensor, torch.Tensor],
         scale: float,
     ) -> torch.Tensor:
-        """``LlamaModel.forward``'s result for the embedded tokens ``residual``."""
+        """``DecoderModel.forward``'s result for the embedded tokens ``residual``."""
         assert meta.decode_block_table is not None and meta.decode_context_lens is not None
         return torch.ops.kvserve.decode_layers(
             residual,

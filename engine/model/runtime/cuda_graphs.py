@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.model.kernels.metadata import AttentionMetadata
-from engine.model.layers.decoder import LlamaModel
+from engine.model.layers.decoder import DecoderModel
 from engine.model.runtime.kv_cache import PagedKVCache
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         cache: PagedKVCache,
         max_batch: int,
         max_model_len: int,

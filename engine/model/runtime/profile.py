@@ -23,7 +23,7 @@ import torch
 from engine.config import EngineArgs
 from engine.kv.accounting import KVShape
 from engine.model.kernels.metadata import SequenceChunk, build_metadata
-from engine.model.layers.decoder import LlamaModel
+from engine.model.layers.decoder import DecoderModel
 from engine.model.runtime.kv_cache import KVPool, KVPoolLayout, PagedKVCache
 from engine.model.runtime.profile_shapes import (
     chunked_chunks,
@@ -49,7 +49,7 @@ def profile_shapes(tokens: int, max_len: int, block_size: int) -> dict[str, list
 
 
 def run_profile_forward(
-    model: LlamaModel, kv_shape: KVShape, chunks: list[SequenceChunk], block_size: int
+    model: DecoderModel, kv_shape: KVShape, chunks: list[SequenceChunk], block_size: int
 ) -> None:
     """One forward over ``chunks`` (cached prefixes read from a zeroed scratch pool), and
     the logits of one row per chunk."""
@@ -63,7 +63,7 @@ def run_profile_forward(
 
 
 def measure_activation_peak(
-    model: LlamaModel, kv_shape: KVShape, args: EngineArgs, max_model_len: int
+    model: DecoderModel, kv_shape: KVShape, args: EngineArgs, max_model_len: int
 ) -> int:
     """Bytes the largest step needs beyond weights and KV pool."""
     peaks = activation_peaks(
@@ -75,7 +75,7 @@ def measure_activation_peak(
 
 
 def activation_peaks(
-    model: LlamaModel, kv_shape: KVShape, tokens: int, max_len: int, block_size: int
+    model: DecoderModel, kv_shape: KVShape, tokens: int, max_len: int, block_size: int
 ) -> dict[str, int]:
     """The activation peak of each profiled step, by ``profile_shapes`` name."""
     shapes = profile_shapes(tokens, max_len, block_size)
@@ -85,7 +85,7 @@ def activation_peaks(
 
 
 def _cuda_peak(
-    model: LlamaModel, kv_shape: KVShape, chunks: list[SequenceChunk], block_size: int
+    model: DecoderModel, kv_shape: KVShape, chunks: list[SequenceChunk], block_size: int
 ) -> int:
     torch.cuda.synchronize(model.device)
     torch.cuda.empty_cache()
@@ -99,7 +99,7 @@ def _cuda_peak(
 
 
 def _cpu_peaks(
-    model: LlamaModel,
+    model: DecoderModel,
     kv_shape: KVShape,
     shapes: dict[str, list[SequenceChunk]],
     block_size: int,
@@ -113,15 +113,17 @@ def _cpu_peaks(
         if name != "fresh":
             first = chunks[0]  # the chunk behind the cached prefix
             context = len(first.block_ids) * block_size  # what a gather copies
+            # A layer whose window, soft-cap or sinks the kernels lack attends in torch.
+            kernels = model.kernels.name if model.plain_attention else "torch"
             extra = context_attention_bytes(
-                model.spec, model.kernels.name, kv_shape.kv_dtype, first.num_new, context, element
+                model.spec, kernels, kv_shape.kv_dtype, first.num_new, context, element
             )
             peaks[name] = fresh + extra
     return peaks
 
 
 def _cpu_fresh_peak(
-    model: LlamaModel, kv_shape: KVShape, chunks: list[SequenceChunk], block_size: int
+    model: DecoderModel, kv_shape: KVShape, chunks: list[SequenceChunk], block_size: int
 ) -> int:
     tokens = sum(c.num_new for c in chunks)
     if not _reset_peak_rss():
@@ -138,7 +140,7 @@ def _cpu_fresh_peak(
     return max(peak - scratch_kv, _estimate_cpu_activation(model, tokens))
 
 
-def _estimate_cpu_activation(model: LlamaModel, tokens: int) -> int:
+def _estimate_cpu_activation(model: DecoderModel, tokens: int) -> int:
     """A lower bound: a few live [tokens, widest projection] tensors in the model dtype."""
     spec = model.spec
     widest = max(2 * spec.intermediate_size, spec.q_size + 2 * spec.kv_size, spec.hidden_size)

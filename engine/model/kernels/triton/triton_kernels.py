@@ -7,6 +7,10 @@ longer attended one request at a time behind a boolean mask. Both go through
 ``unified_attention``, which reads K/V (bf16/fp16/fp32, int8 or fp8 with their scales)
 straight from the block tables. The kernels also run on the CPU under TRITON_INTERPRET=1,
 which is how the CPU test suite checks this backend end to end.
+
+Where a layer's window, soft-cap or sinks matter for a step (``AttentionParams.
+is_plain_within``), that call defers to the torch attention: ``unified_attention`` takes
+none of them yet.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 
 from engine.model.kernels.base import TorchKernels
 from engine.model.kernels.metadata import AttentionMetadata
+from engine.model.kernels.params import AttentionParams
 from engine.model.kernels.triton.triton_attention import (
     choose_num_splits,
     interpreting,
@@ -66,12 +71,14 @@ class TritonKernels(TorchKernels):
         qkv: torch.Tensor,
         meta: AttentionMetadata,
         spec: ModelSpec,
-        scale: float,
+        params: AttentionParams,
     ) -> torch.Tensor:
         assert meta.decode_block_table is not None and meta.decode_context_lens is not None
         rows = meta.num_decodes
         # The padded table's width bounds every context: a host-side number, no sync.
         longest = meta.decode_block_table.shape[1] * cache.block_size
+        if not params.is_plain_within(longest):
+            return super().decode_attention(cache, layer, qkv, meta, spec, params)
         splits = choose_num_splits(rows, spec.num_kv_heads, longest, self.num_sms)
         return _attend(
             cache,
@@ -80,7 +87,7 @@ class TritonKernels(TorchKernels):
             spec,
             meta.decode_block_table,
             meta.decode_context_lens,
-            scale,
+            params.scale,
             num_splits=splits,
         )
 
@@ -91,10 +98,12 @@ class TritonKernels(TorchKernels):
         qkv: torch.Tensor,
         meta: AttentionMetadata,
         spec: ModelSpec,
-        scale: float,
+        params: AttentionParams,
     ) -> torch.Tensor:
         tables = meta.prefill_tables
         assert tables is not None
+        if not params.is_plain_within(tables.block_table.shape[1] * cache.block_size):
+            return super().prefill_attention(cache, layer, qkv, meta, spec, params)
         starts = tables.query_starts
         seq_lens = tables.num_computed + (starts[1:] - starts[:-1])
         return _attend(
@@ -104,7 +113,7 @@ class TritonKernels(TorchKernels):
             spec,
             tables.block_table,
             seq_lens,
-            scale,
+            params.scale,
             query_starts=starts,
             max_query_len=max(span.end - span.start for span in meta.prefills),
         )
@@ -116,13 +125,15 @@ class TritonKernels(TorchKernels):
         qkv: torch.Tensor,
         meta: AttentionMetadata,
         spec: ModelSpec,
-        scale: float,
+        params: AttentionParams,
     ) -> torch.Tensor:
         """The whole step in one launch. When every sequence has one row (decodes and
         drafts only) row ``i`` is sequence ``i``: the launch is ``decode_attention``'s,
         context splits included, so those rows come out as a decode step computes them."""
         tables = meta.varlen
         assert tables is not None
+        if not params.is_plain_within(tables.block_table.shape[1] * cache.block_size):
+            return super().varlen_attention(cache, layer, qkv, meta, spec, params)
         one_row_each = tables.max_query_len == 1
         splits = 1  # prefill tiles already fill the device
         if one_row_each:
@@ -135,7 +146,7 @@ class TritonKernels(TorchKernels):
             spec,
             tables.block_table,
             tables.seq_lens,
-            scale,
+            params.scale,
             query_starts=None if one_row_each else tables.query_starts,
             max_query_len=tables.max_query_len,
             num_splits=splits,

@@ -1,0 +1,79 @@
+"""``--quantization``: a model's weights with their projections in int8 or int4.
+
+Every linear layer of the decoder's layers is converted wherever the family put it
+(``map_linears`` walks the weights), so a new family needs nothing here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.model.layers.decoder import ModelWeights
+from engine.model.layers.linear import (
+    DenseLinear,
+    Int4Linear,
+    Int8Linear,
+    Linear,
+    bf16_rowwise_supported,
+    check_quantization,
+    map_linears,
+)
+
+
+def quantize_weights(
+    weights: ModelWeights, method: str, rowwise: bool = False, kernels: str = "native"
+) -> ModelWeights:
+    """The same model with its projections and LM head in ``method`` (``none``: unchanged).
+
+    The LM head gets its own int8 copy (int8 and int4) even when tied to the embedding: the
+    lookup table stays in the serving dtype and both count toward the weight bytes. With
+    int4 the decoder's projections are 4-bit. ``rowwise`` adds the int8 row-major copy for
+    few-row calls (unquantized, it sends a bf16 model's few-row calls to the native bf16
+    kernel where the CPU has AVX512_BF16); it and int4 need the native kernels
+    (``kernels`` names the backend).
+    """
+    check_quantization(method, weights.embed.device, kernels)
+    if method == "none":
+        return _with_bf16_rowwise(weights) if rowwise else weights
+
+    def convert(linear: Linear) -> Linear:
+        return _to_int4(linear) if method == "int4" else _to_int8(linear, rowwise)
+
+    layers = map_linears(weights.layers, convert)
+    lm_head = _to_int8(weights.lm_head, rowwise)
+    return dataclasses.replace(weights, layers=layers, lm_head=lm_head)
+
+
+def _with_bf16_rowwise(weights: ModelWeights) -> ModelWeights:
+    """The dense projections and LM head with the few-row bf16 kernel turned on, where the
+    weights are bf16 and the CPU has AVX512_BF16; otherwise ``weights`` unchanged."""
+    if not bf16_rowwise_supported(weights.embed):
+        return weights
+
+    def rowwise(linear: Linear) -> Linear:
+        if isinstance(linear, DenseLinear) and linear.weight.is_contiguous():
+            return DenseLinear(linear.weight, linear.bias, rowwise=True)
+        return linear
+
+    layers = map_linears(weights.layers, rowwise)
+    return dataclasses.replace(weights, layers=layers, lm_head=rowwise(weights.lm_head))
+
+
+def _dense(linear: Linear) -> DenseLinear:
+    if not isinstance(linear, DenseLinear):
+        raise TypeError(f"cannot quantize a {type(linear).__name__}")
+    return linear
+
+
+def _to_int8(linear: Linear, rowwise: bool) -> Int8Linear:
+    if isinstance(linear, Int8Linear):
+        return linear
+    dense = _dense(linear)
+    return Int8Linear.from_dense(dense.weight, dense.bias, rowwise=rowwise)
+
+
+def _to_int4(linear: Linear) -> Int4Linear:
+    if isinstance(linear, Int4Linear):
+        return linear
+    dense = _dense(linear)
+    return Int4Linear.from_dense(dense.weight, dense.bias)

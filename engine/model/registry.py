@@ -1,0 +1,65 @@
+"""Which family module runs a config: its ``model_type`` (else its architecture) names a
+module under engine/model/families/, imported only when a model is built.
+
+Torch-free, so spec.py (and through it the KV side) can refuse an unsupported model
+without importing a model. A family module provides the two functions of
+``loader.Family``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import MappingProxyType, ModuleType
+from typing import Any
+
+_PACKAGE = "engine.model.families"
+# model_type -> family module. One module may run several model types.
+FAMILIES = MappingProxyType(
+    {
+        "llama": "llama",
+        "mistral": "llama",
+        "qwen2": "llama",
+        "qwen3": "qwen3",
+        "gemma2": "gemma2",
+        "gemma3_text": "gemma3",
+        "gemma3": "gemma3",  # the multimodal checkpoint: its text model is served
+    }
+)
+# A config's architecture -> model_type, for configs whose model_type is not listed above.
+ARCHITECTURES = MappingProxyType(
+    {
+        "LlamaForCausalLM": "llama",
+        "MistralForCausalLM": "mistral",
+        "Qwen2ForCausalLM": "qwen2",
+        "Qwen3ForCausalLM": "qwen3",
+        "Gemma2ForCausalLM": "gemma2",
+        "Gemma3ForCausalLM": "gemma3_text",
+        "Gemma3ForConditionalGeneration": "gemma3",
+    }
+)
+# Multimodal model types whose text model kvserve serves (their ``text_config``).
+TEXT_MODEL_OF = MappingProxyType({"gemma3": "gemma3_text"})
+
+
+def family_name(config: Any) -> str:
+    """The family module that runs ``config``; ValueError naming the model type if none."""
+    model_type = str(getattr(config, "model_type", ""))
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    for architecture in getattr(config, "architectures", None) or ():
+        if architecture in ARCHITECTURES:
+            return FAMILIES[ARCHITECTURES[architecture]]
+    raise ValueError(f"unsupported model type {model_type!r}; kvserve runs {sorted(FAMILIES)}")
+
+
+def text_config(config: Any) -> Any:
+    """The config of the decoder kvserve serves: a multimodal model's text config, else
+    ``config`` itself."""
+    if getattr(config, "model_type", "") in TEXT_MODEL_OF:
+        return config.get_text_config()
+    return config
+
+
+def load_family(config: Any) -> ModuleType:
+    """The family module for ``config``, imported now."""
+    return importlib.import_module(f"{_PACKAGE}.{family_name(config)}")
