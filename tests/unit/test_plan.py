@@ -198,3 +198,53 @@ def test_embedded_gguf_reads_metadata_only() -> None:
     assert report.weight_bytes == expected * 4
     assert "dequantised to float32" in report.weights_note
     assert report.bytes_per_token == 2 * 30 * 3 * 64 * 4
+
+
+def write_gemma3_config(tmp_path: Path, window: int = 1024) -> Path:
+    """A Gemma-3-shaped text config: 12 layers, five sliding to one global."""
+    from transformers import Gemma3TextConfig
+
+    Gemma3TextConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=12,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=window,
+        max_position_embeddings=32768,
+    ).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_a_hybrid_model_plans_per_group_and_against_an_all_full_cache(tmp_path: Path) -> None:
+    model = write_gemma3_config(tmp_path)
+    flags = ("--model", str(model), "--max-model-len", "8192", "--kv-cache-dtype", "bfloat16")
+    hybrid = build_report(parse(*flags, "--kv-cache-memory", "1"))
+    full = build_report(
+        parse(*flags, "--kv-cache-memory", "1", "--disable-hybrid-kv-cache-manager")
+    )
+    # 12 layers, 10 sliding and 2 global: five sliding groups and one global of 2 layers.
+    assert [g["kind"] for g in hybrid.kv_groups] == ["sliding_1024"] * 5 + ["full"]
+    assert all(g["layers"] == 2 for g in hybrid.kv_groups)
+    sliding_blocks = -(-(1024 - 1) // 16) + 1
+    assert [g["blocks_at_max_len"] for g in hybrid.kv_groups] == [sliding_blocks] * 5 + [512]
+    # A block is a page of 2 layers (bytes per token still counts all 12 layers).
+    per_layer_token = 2 * 1 * 16 * 2
+    assert hybrid.bytes_per_token == 12 * per_layer_token
+    assert hybrid.bytes_per_block == 2 * per_layer_token * 16
+    assert hybrid.at_max_len.blocks == 5 * sliding_blocks + 512
+    payload = 10 * per_layer_token * 1024 + 2 * per_layer_token * 8192
+    assert hybrid.at_max_len.payload_bytes == payload
+    # The same KV budget: whole 2-layer pages vs whole 12-layer blocks.
+    assert hybrid.max_concurrency_at_max_len == hybrid.num_blocks // (5 * sliding_blocks + 512)
+    assert full.kv_groups == () and full.at_max_len.blocks == 512
+    assert hybrid.all_full_max_concurrency_at_max_len == full.max_concurrency_at_max_len
+    predicted = (12 * 512) / (2 * (5 * sliding_blocks + 512))
+    assert hybrid.hybrid_capacity_gain == pytest.approx(predicted, rel=1e-3)
+    assert hybrid.max_concurrency_at_max_len / full.max_concurrency_at_max_len == pytest.approx(
+        predicted, rel=0.05
+    )
+    text = format_report(hybrid)
+    assert "KV group 5" in text and "hybrid KV cache" in text
