@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -87,6 +88,31 @@ inline float exp_shifted_sum(float* x, int64_t n, float shift) {
     sum += x[i];
   }
   return sum;
+}
+
+// Attention logit soft-capping (Gemma 2) in place: x[i] = limit * tanh(x[i] / limit), with
+// `limit` the cap in the units x is in (cap / scale for scores the scale multiplies later).
+// tanh(|y|) = (1 - e) / (1 + e) with e = exp(-2|y|) in [0, 1]: nothing overflows for any
+// score, and the absolute error stays near exp's 1e-7, which the limit scales as rounding
+// the capped score to float would. Runs before masking: a masked -inf would become -limit.
+inline void soft_cap(float* x, int64_t n, float limit) {
+  const float factor = -2.f / limit;
+  int64_t i = 0;
+#ifdef KVSERVE_AVX2
+  const __m256 sign_bit = _mm256_set1_ps(-0.f);
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 e = exp8(_mm256_mul_ps(_mm256_andnot_ps(sign_bit, v), _mm256_set1_ps(factor)));
+    const __m256 magnitude = _mm256_mul_ps(
+        _mm256_set1_ps(limit), _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)));
+    _mm256_storeu_ps(x + i, _mm256_or_ps(magnitude, _mm256_and_ps(sign_bit, v)));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float e = std::exp(std::fabs(x[i]) * factor);
+    x[i] = std::copysign(limit * ((1.f - e) / (1.f + e)), x[i]);
+  }
 }
 
 #ifdef KVSERVE_AVX2
@@ -229,6 +255,27 @@ constexpr int64_t kRowGrain = 4;
 inline void check_cpu_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// The first key a query at `position` sees under a sliding window of `window` tokens, the
+// query's own included (0: no window, every earlier key).
+inline int64_t window_start(int64_t position, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, position + 1 - window) : 0;
+}
+
+// Checks the attention variants' arguments (decode and prefill): a sliding window in tokens
+// and a logit soft cap (0: none), optional sink logits, one per query head. Returns the
+// sinks' data, or null without them.
+inline const float* check_attention_variants(int64_t window, double softcap,
+                                             const std::optional<at::Tensor>& sinks,
+                                             int64_t num_heads) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: no soft-capping)");
+  if (!sinks.has_value()) return nullptr;
+  check_cpu_contiguous(*sinks, "sinks");
+  TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->numel() == num_heads,
+              "sinks must be float32 [num_heads]");
+  return sinks->data_ptr<float>();
 }
 
 // The linear kernels' activations in and results out: contiguous float32 on the CPU.
