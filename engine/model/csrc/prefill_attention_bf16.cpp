@@ -14,9 +14,9 @@
 // Probabilities are rounded to bf16 before the second product (as a bf16 GEMM would);
 // sums, the running max/sum and the output accumulate in float32. Scores stay unscaled
 // until the exponent, so a soft cap is applied in those units (cap / scale) and a sink
-// enters as sink / scale. Compiled for
-// AVX512_BF16 whatever the build machine (a target attribute) and called only where the CPU
-// has it (bf16_tiles_supported), so one build serves AVX2-only and AVX-512 machines alike.
+// enters as sink / scale. Compiled for AVX512_BF16 whatever the build machine (a target
+// attribute) and called only where the CPU has it (bf16_tiles_supported), so one build
+// serves AVX2-only and AVX-512 machines alike.
 
 #include <ATen/Parallel.h>
 
