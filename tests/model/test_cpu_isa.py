@@ -72,12 +72,19 @@ def assert_tests_pass(env: dict[str, str], *selection: str) -> None:
 
 def test_the_prefill_tests_pass_on_the_avx512_kernels():
     """On an AMX machine the bf16 prefill cases otherwise never reach the vdpbf16ps kernel."""
-    assert_tests_pass(NO_AMX, "-k", "prefill", "tests/model/test_native_kernels.py")
+    assert_tests_pass(
+        NO_AMX,
+        "-k",
+        "prefill",
+        "tests/model/test_native_kernels.py",
+        "tests/model/test_attention_variants.py",
+    )
 
 
 def test_the_kernel_tests_pass_on_the_avx2_family():
     assert_tests_pass(
         AVX2_ONLY,
         "tests/model/test_native_kernels.py",
+        "tests/model/test_attention_variants.py",
         "tests/model/test_int4_weights.py::test_int4_linear_computes_its_reference",
     )

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -87,6 +88,75 @@ inline float exp_shifted_sum(float* x, int64_t n, float shift) {
     sum += x[i];
   }
   return sum;
+}
+
+#ifdef __AVX512F__
+// 2^t for 16 floats t <= 0 (AVX-512 builds): t = n + f with |f| <= 1/2, 2^f by its Taylor
+// polynomial to degree 6 (relative error ~1.2e-7, float's own), scaled by 2^n; t below
+// -127 (or NaN) is taken as -127.
+inline __m512 exp2_nonpositive16(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-127.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 y = _mm512_set1_ps(1.5403530393381606e-4f);  // ln2^k / k!, k = 6 down to 0
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+#endif
+
+// Attention logit soft-capping (Gemma 2) in place: x[i] = limit * tanh(x[i] / limit), with
+// `limit` the cap in the units x is in (cap / scale for scores the scale multiplies later).
+// tanh(|y|) = (1 - e) / (1 + e) with e = exp(-2|y|) in [0, 1]: nothing overflows for any
+// score, and the absolute error stays near exp's 1e-7, which the limit scales as rounding
+// the capped score to float would. The vector loops divide by 1 + e (in [1, 2]) as a
+// reciprocal estimate and one Newton step: a division cost more than the rest together.
+// Runs before masking: a masked -inf would become -limit.
+inline void soft_cap(float* x, int64_t n, float limit) {
+  const float factor = -2.f / limit;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  {
+    const __m512 log2_factor = _mm512_set1_ps(factor * 1.44269504088896341f);
+    const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
+    const __m512 limits = _mm512_set1_ps(limit);
+    const __m512i sign_bit = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      const __m512 e = exp2_nonpositive16(_mm512_mul_ps(_mm512_abs_ps(v), log2_factor));
+      const __m512 denominator = _mm512_add_ps(one, e);
+      __m512 inverse = _mm512_rcp14_ps(denominator);
+      inverse = _mm512_mul_ps(inverse, _mm512_fnmadd_ps(denominator, inverse, two));
+      const __m512 magnitude = _mm512_mul_ps(_mm512_mul_ps(_mm512_sub_ps(one, e), inverse), limits);
+      const __m512i sign = _mm512_and_si512(_mm512_castps_si512(v), sign_bit);
+      _mm512_storeu_ps(x + i, _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(magnitude), sign)));
+    }
+  }
+#endif
+#ifdef KVSERVE_AVX2
+  {
+    const __m256 sign_bit = _mm256_set1_ps(-0.f);
+    const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f);
+    const __m256 limits = _mm256_set1_ps(limit), factors = _mm256_set1_ps(factor);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      const __m256 e = exp8(_mm256_mul_ps(_mm256_andnot_ps(sign_bit, v), factors));
+      const __m256 denominator = _mm256_add_ps(one, e);
+      __m256 inverse = _mm256_rcp_ps(denominator);
+      inverse = _mm256_mul_ps(inverse, _mm256_fnmadd_ps(denominator, inverse, two));
+      const __m256 magnitude = _mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(one, e), inverse), limits);
+      _mm256_storeu_ps(x + i, _mm256_or_ps(magnitude, _mm256_and_ps(sign_bit, v)));
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    const float e = std::exp(std::fabs(x[i]) * factor);
+    x[i] = std::copysign(limit * ((1.f - e) / (1.f + e)), x[i]);
+  }
 }
 
 #ifdef KVSERVE_AVX2
@@ -229,6 +299,27 @@ constexpr int64_t kRowGrain = 4;
 inline void check_cpu_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// The first key a query at `position` sees under a sliding window of `window` tokens, the
+// query's own included (0: no window, every earlier key).
+inline int64_t window_start(int64_t position, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, position + 1 - window) : 0;
+}
+
+// Checks the attention variants' arguments (decode and prefill): a sliding window in tokens
+// and a logit soft cap (0: none), optional sink logits, one per query head. Returns the
+// sinks' data, or null without them.
+inline const float* check_attention_variants(int64_t window, double softcap,
+                                             const std::optional<at::Tensor>& sinks,
+                                             int64_t num_heads) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: no soft-capping)");
+  if (!sinks.has_value()) return nullptr;
+  check_cpu_contiguous(*sinks, "sinks");
+  TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->numel() == num_heads,
+              "sinks must be float32 [num_heads]");
+  return sinks->data_ptr<float>();
 }
 
 // The linear kernels' activations in and results out: contiguous float32 on the CPU.

@@ -20,6 +20,12 @@ void rotary_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos
              const at::Tensor& sin, int64_t num_rotated_heads, int64_t head_dim);
 void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 
+// The attention ops' per-layer variants, all off by default: `window` > 0 limits a query at
+// position q to keys (q - window, q] (blocks wholly before the window may be placeholders
+// and are never read), `softcap` > 0 maps each scaled score s to softcap * tanh(s /
+// softcap) before masking, and `sinks` ([num_heads] float32) adds exp(sink) of each query
+// head to its softmax denominator.
+
 // paged_attention.cpp
 void write_kv(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& qkv,
               const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads,
@@ -29,7 +35,9 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& qkv, const at::Te
                             const at::Tensor& context_lens, int64_t num_heads,
                             int64_t num_kv_heads, double scale,
                             const std::optional<at::Tensor>& key_scale,
-                            const std::optional<at::Tensor>& value_scale);
+                            const std::optional<at::Tensor>& value_scale, int64_t window = 0,
+                            double softcap = 0.0,
+                            const std::optional<at::Tensor>& sinks = std::nullopt);
 
 // prefill_attention.cpp
 void paged_prefill_attention(at::Tensor& out, const at::Tensor& qkv, const at::Tensor& key_cache,
@@ -37,7 +45,9 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& qkv, const at::T
                              const at::Tensor& query_starts, const at::Tensor& num_computed,
                              int64_t num_heads, int64_t num_kv_heads, double scale,
                              const std::optional<at::Tensor>& key_scale,
-                             const std::optional<at::Tensor>& value_scale);
+                             const std::optional<at::Tensor>& value_scale, int64_t window = 0,
+                             double softcap = 0.0,
+                             const std::optional<at::Tensor>& sinks = std::nullopt);
 
 // prefill_attention_amx.cpp: whether this CPU and kernel run AMX tiles (and
 // KVSERVE_CPU_ISA is unset); the prefill kernel then takes them for head_dim % 32 == 0.

@@ -1,7 +1,9 @@
 // The paged KV cache on the CPU: the write of each token's K/V into its slot, and decode
 // attention that reads K/V straight out of the block table (no gathered copy), one
 // (request, KV head) pair per task, the key and value rows loaded once for every query head
-// of the group.
+// of the group. A sliding window shortens the range a request attends to (the blocks
+// before it are never touched), a soft cap maps the scores before their softmax, and sinks
+// join the denominator when the partitions are merged.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -464,8 +466,8 @@ template <typename cache_t>
 void attend_partition(const float* q, const cache_t* k_head, const cache_t* v_head,
                       const float* k_scales, const float* v_scales, const int64_t* blocks,
                       int64_t begin, int64_t end, int64_t group, int64_t head_dim,
-                      int64_t block_size, const PartitionKernels<cache_t>& whole, float* scores,
-                      const PartialView& result) {
+                      int64_t block_size, float softcap, const PartitionKernels<cache_t>& whole,
+                      float* scores, const PartialView& result) {
   const int64_t tokens = end - begin;
   const cache_t* keys[kPartitionTokens];
   const cache_t* values[kPartitionTokens];
@@ -482,6 +484,7 @@ void attend_partition(const float* q, const cache_t* k_head, const cache_t* v_he
   for (int64_t t = 0; k_scales != nullptr && t < tokens; ++t) {
     scale_column(scores + t, tokens, group, k_scales[slots[t]]);
   }
+  if (softcap > 0.f) soft_cap(scores, group * tokens, softcap);
   for (int64_t g = 0; g < group; ++g) {
     float* row = scores + g * tokens;
     result.peak[g] = max_of(row, tokens);
@@ -503,13 +506,14 @@ void attend_partition(const float* q, const cache_t* k_head, const cache_t* v_he
 // [num_blocks, block_size, head_dim] slab. For an int8 cache, k_scales/v_scales point at
 // this head's [num_blocks, block_size] float32 scales (one per token): the key scale
 // multiplies the token's scores, the value scale its softmax weights, so the int8 rows
-// are only ever widened, never dequantized.
+// are only ever widened, never dequantized. softcap > 0 caps the scaled scores.
 template <typename scalar_t, typename cache_t>
 void attend_range(
     const scalar_t* query, const cache_t* k_head, const cache_t* v_head, const float* k_scales,
     const float* v_scales, const int64_t* blocks, int64_t begin, int64_t end, int64_t group,
-    int64_t head_dim, int64_t block_size, float scale, const GroupKernels<cache_t>& fast,
-    const PartitionKernels<cache_t>& whole, AttendScratch& scratch, const PartialView& result) {
+    int64_t head_dim, int64_t block_size, float scale, float softcap,
+    const GroupKernels<cache_t>& fast, const PartitionKernels<cache_t>& whole,
+    AttendScratch& scratch, const PartialView& result) {
   const int64_t tokens = end - begin;
   scratch.query.resize(group * head_dim);
   scratch.scores.resize(group * tokens);
@@ -519,7 +523,7 @@ void attend_range(
   for (int64_t i = 0; i < group * head_dim; ++i) q[i] = static_cast<float>(query[i]) * scale;
   if (whole.scores != nullptr) {
     attend_partition(q, k_head, v_head, k_scales, v_scales, blocks, begin, end, group, head_dim,
-                     block_size, whole, scores, result);
+                     block_size, softcap, whole, scores, result);
     return;
   }
   std::fill(out, out + group * head_dim, 0.f);
@@ -534,6 +538,7 @@ void attend_range(
     if (k_scales != nullptr) scale_column(column, tokens, group, k_scales[slot]);
   };
   for_each_cached_token(k_head, blocks, begin, end, block_size, head_dim, attend_key);
+  if (softcap > 0.f) soft_cap(scores, group * tokens, softcap);
   for (int64_t g = 0; g < group; ++g) {
     float* row = scores + g * tokens;
     result.peak[g] = max_of(row, tokens);
@@ -553,13 +558,16 @@ void attend_range(
 
 // Merges one (request, KV head)'s partitions into its output rows: every partition's sum
 // and output are rescaled to the largest peak, then the output is divided by the total.
+// With sinks (the group's query heads' logits, else null) each head's sink is one more
+// term of the total, and of the peak it is taken against, with no value.
 template <typename scalar_t>
 void merge_partitions(const float* outs, const float* peaks, const float* sums, int64_t parts,
-                      int64_t group, int64_t head_dim, scalar_t* dst) {
+                      int64_t group, int64_t head_dim, const float* sinks, scalar_t* dst) {
   for (int64_t g = 0; g < group; ++g) {
     float top = peaks[g];
     for (int64_t p = 1; p < parts; ++p) top = std::max(top, peaks[p * group + g]);
-    float total = 0.f;
+    if (sinks != nullptr) top = std::max(top, sinks[g]);
+    float total = sinks != nullptr ? std::exp(sinks[g] - top) : 0.f;
     float merged[512];  // head_dim <= 512 (checked by the caller)
     std::fill(merged, merged + head_dim, 0.f);
     for (int64_t p = 0; p < parts; ++p) {
@@ -576,13 +584,14 @@ void merge_partitions(const float* outs, const float* peaks, const float* sums, 
 }
 
 // Decode attention straight from the paged cache. Rows [0, batch) of qkv are single-token
-// decodes; request b attends to context_lens[b] tokens listed by block_tables[b].
-// Writes out[b, heads * head_dim].
+// decodes; request b attends to context_lens[b] tokens listed by block_tables[b] (with a
+// window, to the last `window` of them). Writes out[b, heads * head_dim].
 void paged_decode_attention(
     at::Tensor& out, const at::Tensor& qkv, const at::Tensor& key_cache,
     const at::Tensor& value_cache, const at::Tensor& block_tables,
     const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double scale,
-    const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale) {
+    const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale,
+    int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
   check_cpu_contiguous(out, "out");
   check_cpu_contiguous(qkv, "qkv");
   check_cpu_contiguous(key_cache, "key_cache");
@@ -615,12 +624,18 @@ void paged_decode_attention(
     k_scales = key_scale->data_ptr<float>();
     v_scales = value_scale->data_ptr<float>();
   }
+  const float* sink_logits = check_attention_variants(window, softcap, sinks, num_heads);
   const int64_t scale_stride = num_blocks * block_size;
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
+  // The first token each request attends to: the blocks before its block may be freed
+  // (placeholder ids), so they are neither checked nor read.
+  std::vector<int64_t> first_token(batch);
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(lens[b] > 0 && lens[b] <= max_blocks * block_size, "context length out of range");
-    for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; ++i) {
+    first_token[b] = window_start(lens[b] - 1, window);
+    const int64_t end_block = (lens[b] + block_size - 1) / block_size;
+    for (int64_t i = first_token[b] / block_size; i < end_block; ++i) {
       const int64_t block = tables[b * max_blocks + i];
       TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range");
     }
@@ -635,10 +650,12 @@ void paged_decode_attention(
       const GroupKernels<cache_t> fast = group_kernels<cache_t>(group, head_dim);
       const PartitionKernels<cache_t> whole = partition_kernels<cache_t>(group, head_dim);
       // Tasks are (request, KV head, partition); pair b * kv_heads + h owns the partitions
-      // [first[pair], first[pair + 1]) of the partial buffers.
+      // [first[pair], first[pair + 1]) of the partial buffers. A request's partitions start
+      // at its first attended token.
       std::vector<int64_t> first(batch * num_kv_heads + 1, 0);
       for (int64_t pair = 0; pair < batch * num_kv_heads; ++pair) {
-        const int64_t parts = (lens[pair / num_kv_heads] + kPartitionTokens - 1) / kPartitionTokens;
+        const int64_t b = pair / num_kv_heads;
+        const int64_t parts = (lens[b] - first_token[b] + kPartitionTokens - 1) / kPartitionTokens;
         first[pair + 1] = first[pair] + parts;
       }
       const int64_t tasks = first.back();
@@ -651,7 +668,7 @@ void paged_decode_attention(
           while (first[pair + 1] <= task) ++pair;
           const int64_t b = pair / num_kv_heads;
           const int64_t h = pair % num_kv_heads;
-          const int64_t token_begin = (task - first[pair]) * kPartitionTokens;
+          const int64_t token_begin = first_token[b] + (task - first[pair]) * kPartitionTokens;
           const int64_t token_end = std::min(lens[b], token_begin + kPartitionTokens);
           const PartialView result{outs.data() + task * group * head_dim,
                                    peaks.data() + task * group, sums.data() + task * group};
@@ -660,7 +677,7 @@ void paged_decode_attention(
               quantized ? k_scales + h * scale_stride : nullptr,
               quantized ? v_scales + h * scale_stride : nullptr, tables + b * max_blocks,
               token_begin, token_end, group, head_dim, block_size, static_cast<float>(scale),
-              fast, whole, scratch, result);
+              static_cast<float>(softcap), fast, whole, scratch, result);
         }
       });
       at::parallel_for(0, batch * num_kv_heads, kRowGrain, [&](int64_t begin, int64_t end) {
@@ -670,6 +687,7 @@ void paged_decode_attention(
           const int64_t at = first[pair];
           merge_partitions(outs.data() + at * group * head_dim, peaks.data() + at * group,
                            sums.data() + at * group, first[pair + 1] - at, group, head_dim,
+                           sink_logits != nullptr ? sink_logits + h * group : nullptr,
                            op + b * num_heads * head_dim + h * group * head_dim);
         }
       });

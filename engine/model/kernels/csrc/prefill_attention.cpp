@@ -3,7 +3,11 @@
 // that share the KV head, stacked), walks the request's cached keys in tiles read through
 // its block table, and keeps an online softmax (running max, running sum, rescaled output),
 // so nothing the size of [queries, context] is ever materialised: no gathered copy of the
-// context, no mask tensor. Causality is applied per row inside the tiles that need it.
+// context, no mask tensor. Causality is applied per row inside the tiles that need it, and
+// so is a sliding window: a task starts at its first row's window (tiles wholly before it,
+// and their blocks, are never touched) and masks the tiles that cross a row's window start.
+// A soft cap maps each tile's scores before the masks; sinks start each row's running max
+// at the sink's logit and its running sum at 1, so they join the denominator only.
 //
 // The two products per tile (scores = Q K^T, out += P V) run as float32 GEMMs through the
 // BLAS that torch links (MKL's sgemm_), with a portable loop where that symbol is absent.
@@ -84,16 +88,21 @@ void gather_rows(const cache_t* head, const float* scales, const int64_t* blocks
   }
 }
 
-// Hides keys after each query row's own position (rows stacked group-major: row
-// g * tile + i is query i of head g, at position first_position + i).
-void mask_future(float* scores, int64_t group, int64_t tile, int64_t first_position,
-                 int64_t key_begin, int64_t num_keys) {
+// Hides the keys each query row may not see: those after its own position and, with a
+// sliding window, those before its window (rows stacked group-major: row g * tile + i is
+// query i of head g, at position first_position + i).
+void mask_invisible(float* scores, int64_t group, int64_t tile, int64_t first_position,
+                    int64_t key_begin, int64_t num_keys, int64_t window) {
   for (int64_t i = 0; i < tile; ++i) {
-    const int64_t visible = std::clamp<int64_t>(first_position + i + 1 - key_begin, 0, num_keys);
-    if (visible == num_keys) continue;
+    const int64_t position = first_position + i;
+    const int64_t visible_end = std::clamp<int64_t>(position + 1 - key_begin, 0, num_keys);
+    const int64_t visible_begin =
+        std::clamp<int64_t>(window_start(position, window) - key_begin, 0, visible_end);
+    if (visible_begin == 0 && visible_end == num_keys) continue;
     for (int64_t g = 0; g < group; ++g) {
       float* row = scores + (g * tile + i) * kKeyTile;
-      std::fill(row + visible, row + num_keys, kNegInf);
+      std::fill(row, row + visible_begin, kNegInf);
+      std::fill(row + visible_end, row + num_keys, kNegInf);
     }
   }
 }
@@ -120,12 +129,20 @@ void online_softmax(Scratch& s, int64_t rows, int64_t num_keys, int64_t head_dim
   }
 }
 
+// The attention variants as one task sees them: the window, the soft cap, and the sink
+// logits of the task's query heads (null without sinks).
+struct Variants {
+  int64_t window;
+  float softcap;
+  const float* sinks;
+};
+
 template <typename scalar_t, typename cache_t>
 void run_task(const Task& task, const scalar_t* qkv, int64_t width, scalar_t* out,
               const cache_t* k_head, const cache_t* v_head, const float* k_scales,
               const float* v_scales, const int64_t* blocks, int64_t first_row,
               int64_t num_computed, int64_t group, int64_t num_heads, int64_t head_dim,
-              int64_t block_size, float scale, Scratch& s) {
+              int64_t block_size, float scale, const Variants& variants, Scratch& s) {
   const int64_t tile = task.row_end - task.row_begin;
   const int64_t rows = group * tile;
   s.query.resize(rows * head_dim);
@@ -135,6 +152,10 @@ void run_task(const Task& task, const scalar_t* qkv, int64_t width, scalar_t* ou
   s.out.assign(rows * head_dim, 0.f);
   s.row_max.assign(rows, kNegInf);
   s.row_sum.assign(rows, 0.f);
+  for (int64_t r = 0; variants.sinks != nullptr && r < rows; ++r) {
+    s.row_max[r] = variants.sinks[r / tile];  // exp(sink - max) = 1 against its own max
+    s.row_sum[r] = 1.f;
+  }
   for (int64_t i = 0; i < tile; ++i) {
     const scalar_t* q = qkv + (first_row + task.row_begin + i) * width;
     for (int64_t g = 0; g < group; ++g) {
@@ -144,15 +165,21 @@ void run_task(const Task& task, const scalar_t* qkv, int64_t width, scalar_t* ou
     }
   }
   const int64_t first_position = num_computed + task.row_begin;
-  for (int64_t key_begin = 0; key_begin < task.keys; key_begin += kKeyTile) {
+  // Tiles starting before the last row's window start cross some row's window start.
+  const int64_t last_window_start = window_start(first_position + tile - 1, variants.window);
+  for (int64_t key_begin = task.first_key; key_begin < task.keys; key_begin += kKeyTile) {
     const int64_t num_keys = std::min(kKeyTile, task.keys - key_begin);
     gather_rows(k_head, k_scales, blocks, block_size, head_dim, key_begin,
                 key_begin + num_keys, s.keys.data());
     // scores^T [keys x rows] = K [keys x d] . Q^T: column-major view of row-major scores.
     gemm(true, num_keys, rows, head_dim, s.keys.data(), head_dim, s.query.data(), head_dim,
          0.f, s.scores.data(), kKeyTile);
-    if (key_begin + num_keys > first_position + 1) {
-      mask_future(s.scores.data(), group, tile, first_position, key_begin, num_keys);
+    for (int64_t r = 0; variants.softcap > 0.f && r < rows; ++r) {
+      soft_cap(s.scores.data() + r * kKeyTile, num_keys, variants.softcap);
+    }
+    if (key_begin + num_keys > first_position + 1 || key_begin < last_window_start) {
+      mask_invisible(s.scores.data(), group, tile, first_position, key_begin, num_keys,
+                     variants.window);
     }
     online_softmax(s, rows, num_keys, head_dim);
     gather_rows(v_head, v_scales, blocks, block_size, head_dim, key_begin,
@@ -174,21 +201,24 @@ void run_task(const Task& task, const scalar_t* qkv, int64_t width, scalar_t* ou
 }
 
 // Every (span, KV head, query tile), most expensive first so that the dynamic hand-out
-// below ends with the cheap ones (causal tiles late in a prompt cost far more).
+// below ends with the cheap ones (causal tiles late in a prompt cost far more, unless a
+// window bounds them).
 std::vector<Task> make_tasks(const int64_t* starts, const int64_t* computed, int64_t spans,
-                             int64_t num_kv_heads) {
+                             int64_t num_kv_heads, int64_t window) {
   std::vector<Task> tasks;
   for (int64_t s = 0; s < spans; ++s) {
     const int64_t rows = starts[s + 1] - starts[s];
     for (int64_t begin = 0; begin < rows; begin += kQueryTile) {
       const int64_t end = std::min(rows, begin + kQueryTile);
+      const int64_t first_key = window_start(computed[s] + begin, window);
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        tasks.push_back(Task{s, h, begin, end, computed[s] + end});
+        tasks.push_back(Task{s, h, begin, end, computed[s] + end, first_key});
       }
     }
   }
-  std::stable_sort(tasks.begin(), tasks.end(),
-                   [](const Task& a, const Task& b) { return a.keys > b.keys; });
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
+    return a.keys - a.first_key > b.keys - b.first_key;
+  });
   return tasks;
 }
 
@@ -199,7 +229,8 @@ void paged_prefill_attention(
     const at::Tensor& value_cache, const at::Tensor& block_tables,
     const at::Tensor& query_starts, const at::Tensor& num_computed, int64_t num_heads,
     int64_t num_kv_heads, double scale, const std::optional<at::Tensor>& key_scale,
-    const std::optional<at::Tensor>& value_scale) {
+    const std::optional<at::Tensor>& value_scale, int64_t window, double softcap,
+    const std::optional<at::Tensor>& sinks) {
   check_cpu_contiguous(out, "out");
   check_cpu_contiguous(qkv, "qkv");
   check_cpu_contiguous(key_cache, "key_cache");
@@ -228,6 +259,7 @@ void paged_prefill_attention(
               "an int8 KV cache needs key_scale and value_scale, other caches none");
   const float* k_scales = quantized ? key_scale->data_ptr<float>() : nullptr;
   const float* v_scales = quantized ? value_scale->data_ptr<float>() : nullptr;
+  const float* sink_logits = check_attention_variants(window, softcap, sinks, num_heads);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* starts = query_starts.data_ptr<int64_t>();
   const int64_t* computed = num_computed.data_ptr<int64_t>();
@@ -236,12 +268,14 @@ void paged_prefill_attention(
     TORCH_CHECK(starts[s + 1] > starts[s] && computed[s] >= 0, "empty span or bad offset");
     const int64_t context = computed[s] + starts[s + 1] - starts[s];
     TORCH_CHECK(context <= max_blocks * block_size, "context longer than the block table");
-    for (int64_t i = 0; i < (context + block_size - 1) / block_size; ++i) {
+    // Blocks before the span's first row's window may be placeholders: not checked.
+    const int64_t first_block = window_start(computed[s], window) / block_size;
+    for (int64_t i = first_block; i < (context + block_size - 1) / block_size; ++i) {
       const int64_t block = tables[s * max_blocks + i];
       TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range");
     }
   }
-  const std::vector<Task> tasks = make_tasks(starts, computed, spans, num_kv_heads);
+  const std::vector<Task> tasks = make_tasks(starts, computed, spans, num_kv_heads, window);
   const bool bf16 = qkv.scalar_type() == at::kBFloat16;
   const bool amx = bf16 && prefill::amx_tiles_supported(head_dim);
   if (amx || (bf16 && prefill::bf16_tiles_supported(head_dim))) {
@@ -249,7 +283,8 @@ void paged_prefill_attention(
         qkv.data_ptr<at::BFloat16>(), width, out.data_ptr<at::BFloat16>(),
         key_cache.data_ptr(), value_cache.data_ptr(), key_cache.scalar_type(),
         k_scales, v_scales, tables, max_blocks, starts, computed, group, num_heads, head_dim,
-        block_size, head_stride, scale_stride, static_cast<float>(scale)};
+        block_size, head_stride, scale_stride, static_cast<float>(scale), window,
+        static_cast<float>(softcap), sink_logits};
     if (amx) {
       prefill::run_amx_tiles(tasks, problem);
     } else {
@@ -272,11 +307,14 @@ void paged_prefill_attention(
         for (int64_t worker = begin; worker < end; ++worker) {
           for (int64_t i = next.fetch_add(1); i < num_tasks; i = next.fetch_add(1)) {
             const Task& t = tasks[i];
+            const Variants variants{window, static_cast<float>(softcap),
+                                    sink_logits != nullptr ? sink_logits + t.head * group : nullptr};
             run_task(t, q, width, o, kc + t.head * head_stride, vc + t.head * head_stride,
                      quantized ? k_scales + t.head * scale_stride : nullptr,
                      quantized ? v_scales + t.head * scale_stride : nullptr,
                      tables + t.span * max_blocks, starts[t.span], computed[t.span], group,
-                     num_heads, head_dim, block_size, static_cast<float>(scale), scratch);
+                     num_heads, head_dim, block_size, static_cast<float>(scale), variants,
+                     scratch);
           }
         }
       });

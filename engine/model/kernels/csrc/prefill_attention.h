@@ -16,12 +16,15 @@ constexpr int64_t kQueryTile = 64;  // query rows per task (times the GQA group)
 constexpr int64_t kKeyTile = 128;   // keys per softmax tile
 
 // One unit of work: KV head `head` of span `span`, query rows [row_begin, row_end) of it.
+// Its rows attend to keys [first_key, keys): every earlier key lies before the first row's
+// sliding window (first_key is 0 without one), and its blocks are never read.
 struct Task {
   int64_t span;
   int64_t head;
   int64_t row_begin;
   int64_t row_end;
-  int64_t keys;  // keys the last row attends to: the task's cost
+  int64_t keys;  // keys up to the last row's position
+  int64_t first_key;
 };
 
 // One call's operands as raw pointers (a bf16 model: qkv and out are bfloat16).
@@ -45,6 +48,9 @@ struct Bf16Problem {
   int64_t head_stride;   // elements between two KV heads' slabs
   int64_t scale_stride;  // floats between two KV heads' scales
   float scale;
+  int64_t window;      // sliding window in tokens, 0: none
+  float softcap;       // logit soft cap, 0: none
+  const float* sinks;  // [num_heads] sink logits, or null
 };
 
 // Whether run_bf16_tiles can serve this head size on this CPU (AVX512_BF16, even head_dim).

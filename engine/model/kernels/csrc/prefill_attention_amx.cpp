@@ -19,6 +19,10 @@
 // float32 in memory: a row's rare rescale is applied there, and the tiles load,
 // accumulate and store it once per key tile. Every buffer a tile reads or writes is on
 // 64-byte lines (LineVector): rows straddling two lines made the kernel a fifth slower.
+// With a sliding window each span's packed context starts at its first row's window
+// start, a task at the tile holding its own, and rows mask the keys before their window as
+// they mask those after their position; a soft cap maps each block's scores (in the
+// unscaled units the softmax reads, cap / scale) and a sink starts a row's running max.
 // Needs head_dim % 32 == 0 (whole tiles). Linux hands out AMX state only on request
 // (arch_prctl), which amx_prefill_available() makes once; KVSERVE_CPU_ISA=avx512 (or avx2)
 // keeps the other kernels, so one machine can compare them.
@@ -28,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -163,7 +168,9 @@ KVSERVE_AMX_TARGET void transpose_keys(const KeyValueRows& rows, int64_t padded,
 // Every (span, KV head)'s context in the layouts the tile products read, packed once per
 // call in tiles of kKeys keys: all the query tiles of a span (32 for a 2,048-token chunk)
 // read the same key tiles, and packing them per task took a sixth of the kernel's time.
-// Columns past a tile's keys, up to the next multiple of 32, are zeros.
+// A span's tiles start at its origin: key 0, or with a sliding window its first row's
+// window start (keys before it are never read). Columns past a tile's keys, up to the
+// next multiple of 32, are zeros.
 class PackedContext {
  public:
   PackedContext(const std::vector<Task>& tasks, const Bf16Problem& p)
@@ -171,10 +178,15 @@ class PackedContext {
     int64_t spans = 0;
     for (const Task& t : tasks) spans = std::max(spans, t.span + 1);
     std::vector<int64_t> span_keys(spans, 0);  // per span: what its last row attends to
-    for (const Task& t : tasks) span_keys[t.span] = std::max(span_keys[t.span], t.keys);
+    origins_.assign(spans, std::numeric_limits<int64_t>::max());
+    for (const Task& t : tasks) {
+      span_keys[t.span] = std::max(span_keys[t.span], t.keys);
+      origins_[t.span] = std::min(origins_[t.span], t.first_key);
+    }
     first_tile_.assign(spans * kv_heads_ + 1, 0);
     for (int64_t i = 0; i < spans * kv_heads_; ++i) {
-      first_tile_[i + 1] = first_tile_[i] + (span_keys[i / kv_heads_] + kKeys - 1) / kKeys;
+      const int64_t span = i / kv_heads_;
+      first_tile_[i + 1] = first_tile_[i] + (span_keys[span] - origins_[span] + kKeys - 1) / kKeys;
     }
     const int64_t tiles = first_tile_.back();
     keys_.resize(tiles * tile_elements());  // written before read: not zeroed
@@ -182,6 +194,8 @@ class PackedContext {
     with_cache_type(p.cache_dtype, [&](auto tag) { pack<decltype(tag)>(p, span_keys); });
   }
 
+  // The first key of the task's span's tile 0.
+  int64_t origin(const Task& t) const { return origins_[t.span]; }
   // Key tile `tile` of the task's (span, KV head): [head_dim / 2][kKeys] key pairs.
   const uint32_t* keys(const Task& t, int64_t tile) const {
     return keys_.data() + (first(t) + tile) * tile_elements();
@@ -203,8 +217,8 @@ class PackedContext {
       for (int64_t tile = begin; tile < end; ++tile) {
         const int64_t owner = std::upper_bound(first_tile_.begin(), first_tile_.end(), tile) -
                               first_tile_.begin() - 1;  // (span, head) index
-        const Task where{owner / kv_heads_, owner % kv_heads_, 0, 0, 0};
-        const int64_t key_begin = (tile - first_tile_[owner]) * kKeys;
+        const Task where{owner / kv_heads_, owner % kv_heads_, 0, 0, 0, 0};
+        const int64_t key_begin = origins_[where.span] + (tile - first_tile_[owner]) * kKeys;
         const int64_t count = std::min(kKeys, span_keys[where.span] - key_begin);
         const int64_t padded = round_up(count, kWidth);
         rows.locate<cache_t>(p, where, key_begin, count);
@@ -216,6 +230,7 @@ class PackedContext {
   }
 
   int64_t head_dim_, kv_heads_;
+  std::vector<int64_t> origins_;     // [spans]: each span's first packed key
   std::vector<int64_t> first_tile_;  // [spans * kv heads + 1]: where each one's tiles start
   LineVector<uint32_t> keys_, values_;
 };
@@ -315,24 +330,30 @@ inline __mmask16 first_lanes(int64_t count) {
   return count >= 16 ? 0xffff : count <= 0 ? 0 : static_cast<__mmask16>((1u << count) - 1);
 }
 
-// The largest of a row's first `visible` scores.
-KVSERVE_AMX_TARGET inline float visible_max(const float* scores, int64_t visible) {
+// A mask of lanes [from, to) of 16 (first_lanes(to) where from <= 0).
+inline __mmask16 lanes_between(int64_t from, int64_t to) {
+  return first_lanes(to) & static_cast<__mmask16>(~first_lanes(from));
+}
+
+// The largest of a row's scores [from, visible).
+KVSERVE_AMX_TARGET inline float visible_max(const float* scores, int64_t from, int64_t visible) {
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
   __m512 top = neg_inf;
   for (int64_t n = 0; n < visible; n += 16) {
-    top = _mm512_max_ps(top, _mm512_mask_loadu_ps(neg_inf, first_lanes(visible - n), scores + n));
+    const __mmask16 lanes = lanes_between(from - n, visible - n);
+    top = _mm512_max_ps(top, _mm512_mask_loadu_ps(neg_inf, lanes, scores + n));
   }
   return _mm512_reduce_max_ps(top);
 }
 
-// probs[n] = 2^(scores[n] c - shift) in bf16 for the first `visible` keys, zeros after them
+// probs[n] = 2^(scores[n] c - shift) in bf16 for the keys [from, visible), zeros elsewhere
 // up to `keys` (a multiple of 32); returns the probabilities' lane sums and folds the
 // visible scores into the lane maxima *top. Most rows see the whole tile (kWhole): no
 // masks then.
 template <bool kWhole>
 KVSERVE_AMX_TARGET inline __m512 exponentiate_row(const float* scores, uint16_t* probs,
-                                                  int64_t visible, int64_t keys, __m512 c,
-                                                  __m512 shift, __m512* top) {
+                                                  int64_t from, int64_t visible, int64_t keys,
+                                                  __m512 c, __m512 shift, __m512* top) {
   __m512 sum = _mm512_setzero_ps(), top_low = *top, top_high = *top;
   for (int64_t n = 0; n < keys; n += 32) {
     const __m512 x = _mm512_loadu_ps(scores + n), y = _mm512_loadu_ps(scores + n + 16);
@@ -342,7 +363,8 @@ KVSERVE_AMX_TARGET inline __m512 exponentiate_row(const float* scores, uint16_t*
       top_low = _mm512_max_ps(top_low, x);
       top_high = _mm512_max_ps(top_high, y);
     } else {
-      const __mmask16 low = first_lanes(visible - n), high = first_lanes(visible - n - 16);
+      const __mmask16 low = lanes_between(from - n, visible - n);
+      const __mmask16 high = lanes_between(from - n - 16, visible - n - 16);
       top_low = _mm512_mask_max_ps(top_low, low, top_low, x);
       top_high = _mm512_mask_max_ps(top_high, high, top_high, y);
       a = _mm512_maskz_mov_ps(low, a);
@@ -356,32 +378,34 @@ KVSERVE_AMX_TARGET inline __m512 exponentiate_row(const float* scores, uint16_t*
 }
 
 KVSERVE_AMX_TARGET inline __m512 exponentiate(const float* scores, uint16_t* probs,
-                                              int64_t visible, int64_t keys, __m512 c,
-                                              float shift, __m512* top) {
+                                              int64_t from, int64_t visible, int64_t keys,
+                                              __m512 c, float shift, __m512* top) {
   const __m512 shifts = _mm512_set1_ps(shift);
-  return visible >= keys ? exponentiate_row<true>(scores, probs, visible, keys, c, shifts, top)
-                         : exponentiate_row<false>(scores, probs, visible, keys, c, shifts, top);
+  return from <= 0 && visible >= keys
+             ? exponentiate_row<true>(scores, probs, from, visible, keys, c, shifts, top)
+             : exponentiate_row<false>(scores, probs, from, visible, keys, c, shifts, top);
 }
 
-// One row's share of a key tile: its first `visible` scores (the rest are after its
-// position, or past the tile) become bf16 probabilities in probs (zeros up to `keys`) and
-// fold into its running lane sums. The probabilities are computed against the row's
-// running max first, so the usual tile, whose scores stay below it, needs no max of its
-// own, no reduction and no correction of the output; only a row's first keys and the
-// tile that raises its max (a few per row) pay for those, and the latter is recomputed.
-KVSERVE_AMX_TARGET void softmax_row(Scratch& s, int64_t r, int64_t tile_row, int64_t visible,
-                                    int64_t keys, float c, int64_t head_dim) {
+// One row's share of a key tile: its scores [from, visible) (the others are before its
+// window, after its position, or past the tile) become bf16 probabilities in probs (zeros
+// elsewhere up to `keys`) and fold into its running lane sums. The probabilities are
+// computed against the row's running max first, so the usual tile, whose scores stay
+// below it, needs no max of its own, no reduction and no correction of the output; only a
+// row's first keys and the tile that raises its max (a few per row) pay for those, and the
+// latter is recomputed.
+KVSERVE_AMX_TARGET void softmax_row(Scratch& s, int64_t r, int64_t tile_row, int64_t from,
+                                    int64_t visible, int64_t keys, float c, int64_t head_dim) {
   const float* scores = s.scores.data() + tile_row * kKeys;
   uint16_t* probs = s.probs.data() + tile_row * kKeys;
-  if (visible <= 0) {
+  if (visible <= from) {
     std::memset(probs, 0, keys * sizeof(uint16_t));
     return;
   }
   float& row_max = s.row_max[r];
-  if (row_max == kNegInf) row_max = visible_max(scores, visible);
+  if (row_max == kNegInf) row_max = visible_max(scores, from, visible);
   const __m512 scale = _mm512_set1_ps(c);
   __m512 top = _mm512_set1_ps(kNegInf);
-  __m512 sum = exponentiate(scores, probs, visible, keys, scale, row_max * c, &top);
+  __m512 sum = exponentiate(scores, probs, from, visible, keys, scale, row_max * c, &top);
   float* sums = s.row_sums.data() + r * 16;
   if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(row_max), _CMP_GT_OQ)) {
     const float new_max = _mm512_reduce_max_ps(top);
@@ -392,38 +416,57 @@ KVSERVE_AMX_TARGET void softmax_row(Scratch& s, int64_t r, int64_t tile_row, int
     }
     _mm512_store_ps(sums, _mm512_mul_ps(_mm512_load_ps(sums), factor));
     row_max = new_max;
-    sum = exponentiate(scores, probs, visible, keys, scale, new_max * c, &top);
+    sum = exponentiate(scores, probs, from, visible, keys, scale, new_max * c, &top);
   }
   _mm512_store_ps(sums, _mm512_add_ps(_mm512_load_ps(sums), sum));
 }
 
 // Folds keys [key_begin, key_begin + num_keys) into every 32-row block that sees any.
-KVSERVE_AMX_TARGET void attend_key_tile(Scratch& s, const uint32_t* keys_tile,
-                                        const uint32_t* values_tile, int64_t key_begin,
-                                        int64_t num_keys, int64_t head_dim, float scale) {
-  const float c = scale * kLog2e;  // e^(scale x) = 2^(scale log2e x)
+KVSERVE_AMX_TARGET void attend_key_tile(Scratch& s, const Bf16Problem& p,
+                                        const uint32_t* keys_tile, const uint32_t* values_tile,
+                                        int64_t key_begin, int64_t num_keys) {
+  const int64_t head_dim = p.head_dim;
+  const float c = p.scale * kLog2e;  // e^(scale x) = 2^(scale log2e x)
   for (int64_t block = 0; block < s.ld; block += kBlockRows) {
     const int32_t* position = s.position.data() + block;
     const int64_t last = *std::max_element(position, position + kBlockRows);
     const int64_t seen = std::min<int64_t>(num_keys, last - key_begin + 1);
     if (seen <= 0) continue;
     const int64_t keys = round_up(seen, kWidth);
-    int64_t visible[kBlockRows];  // per row: keys of the tile at or before its position
+    // Per row: the tile's keys [from, visible) lie in its window, at or before its position.
+    int64_t from[kBlockRows], visible[kBlockRows];
+    bool any = false;
     for (int64_t i = 0; i < kBlockRows; ++i) {
       visible[i] = std::clamp<int64_t>(position[i] - key_begin + 1, 0, num_keys);
+      from[i] = std::clamp<int64_t>(window_start(position[i], p.window) - key_begin, 0, num_keys);
+      any = any || from[i] < visible[i];
     }
+    if (!any) continue;  // every row's window starts past this tile
     score_block(s, keys_tile, block, keys, head_dim);
+    for (int64_t i = 0; p.softcap > 0.f && i < kBlockRows; ++i) {
+      soft_cap(s.scores.data() + i * kKeys, keys, p.softcap / p.scale);
+    }
     for (int64_t i = 0; i < kBlockRows; ++i) {
-      softmax_row(s, block + i, i, visible[i], keys, c, head_dim);
+      softmax_row(s, block + i, i, from[i], visible[i], keys, c, head_dim);
     }
     accumulate_block(s, values_tile, block, keys, head_dim);
   }
 }
 
+// Copies each row's query and position into the scratch, and starts its running softmax
+// at its head's sink where there are sinks (its lane sums at exp(sink - sink) = 1). A sink
+// of -inf weighs nothing and is left out: softmax_row takes a -inf running max for a row
+// with no keys yet, whose sums it never rescales.
 void load_queries(const Bf16Problem& p, const Task& task, Scratch& s) {
+  const int64_t tile = task.row_end - task.row_begin;
   for_each_task_row(p, task, [&](int64_t r, const at::BFloat16* q, at::BFloat16*, int64_t position) {
     std::memcpy(s.query.data() + r * p.head_dim, q, p.head_dim * sizeof(uint16_t));
     s.position[r] = static_cast<int32_t>(position);
+    const float sink = p.sinks != nullptr ? p.sinks[task.head * p.group + r / tile] : kNegInf;
+    if (sink > kNegInf) {
+      s.row_max[r] = sink / p.scale;
+      s.row_sums[r * 16] = 1.f;
+    }
   });
 }
 
@@ -441,10 +484,12 @@ void run_task(const Bf16Problem& p, const PackedContext& context, const Task& ta
   const int64_t tile = task.row_end - task.row_begin;
   s.reset(p.group * tile, p.head_dim);
   load_queries(p, task, s);
-  for (int64_t key_begin = 0; key_begin < task.keys; key_begin += kKeys) {
-    const int64_t k = key_begin / kKeys;
-    attend_key_tile(s, context.keys(task, k), context.values(task, k), key_begin,
-                    std::min(kKeys, task.keys - key_begin), p.head_dim, p.scale);
+  // From the packed tile that holds the task's first key: earlier ones no row sees.
+  const int64_t origin = context.origin(task);
+  for (int64_t k = (task.first_key - origin) / kKeys; origin + k * kKeys < task.keys; ++k) {
+    const int64_t key_begin = origin + k * kKeys;
+    attend_key_tile(s, p, context.keys(task, k), context.values(task, k), key_begin,
+                    std::min(kKeys, task.keys - key_begin));
   }
   store_output(p, task, s);
 }

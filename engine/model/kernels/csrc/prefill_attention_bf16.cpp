@@ -12,9 +12,11 @@
 //                                      against 16 rows' probability pairs (bf16)
 //
 // Probabilities are rounded to bf16 before the second product (as a bf16 GEMM would);
-// sums, the running max/sum and the output accumulate in float32. Compiled for
-// AVX512_BF16 whatever the build machine (a target attribute) and called only where the CPU
-// has it (bf16_tiles_supported), so one build serves AVX2-only and AVX-512 machines alike.
+// sums, the running max/sum and the output accumulate in float32. Scores stay unscaled
+// until the exponent, so a soft cap is applied in those units (cap / scale) and a sink
+// enters as sink / scale. Compiled for AVX512_BF16 whatever the build machine (a target
+// attribute) and called only where the CPU has it (bf16_tiles_supported), so one build
+// serves AVX2-only and AVX-512 machines alike.
 
 #include <ATen/Parallel.h>
 
@@ -61,6 +63,7 @@ struct Scratch {
   std::vector<float> out;        // [dims][ld]
   std::vector<float> row_max, row_sum, correction;  // [ld]
   std::vector<int32_t> position;                    // [ld]: each row's token position
+  std::vector<int32_t> first_visible;               // [ld]: each row's window start
   KeyValueRows kv;                                  // [kPaddedKeys]
 
   void reset(int64_t rows, int64_t head_dim) {
@@ -75,6 +78,7 @@ struct Scratch {
     row_sum.assign(ld, 0.f);
     correction.resize(ld);
     position.assign(ld, std::numeric_limits<int32_t>::max());
+    first_visible.assign(ld, std::numeric_limits<int32_t>::min());
     kv.reset(head_dim, kPaddedKeys);
   }
 };
@@ -122,22 +126,25 @@ KVSERVE_BF16_TARGET void score_tile(Scratch& s, int64_t head_dim, int64_t num_ke
 }
 
 // Folds one tile into the running softmax, 16 rows per vector: hides keys after each row's
-// position (when the tile crosses the diagonal), turns scores into unnormalised
-// probabilities against the new running max, and records each row's rescale factor.
+// position and before its window (when the tile crosses the diagonal or a window start),
+// turns scores into unnormalised probabilities against the new running max, and records
+// each row's rescale factor.
 KVSERVE_BF16_TARGET void softmax_tile(Scratch& s, int64_t num_keys, int64_t key_begin,
-                                      bool causal, float scale) {
+                                      bool masked, float scale) {
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
   const __m512 c = _mm512_set1_ps(scale * kLog2e);  // e^(scale x) = 2^(scale log2e x)
   for (int64_t r = 0; r < s.ld; r += kLanes) {
     float* column = s.scores.data() + r;
     const __m512i position = _mm512_loadu_si512(s.position.data() + r);
+    const __m512i first_visible = _mm512_loadu_si512(s.first_visible.data() + r);
     __m512 tile_max = neg_inf;
     for (int64_t n = 0; n < num_keys; ++n) {
       __m512 x = _mm512_loadu_ps(column + n * s.ld);
-      if (causal) {
-        const __mmask16 future =
-            _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int>(key_begin + n)), position);
-        x = _mm512_mask_mov_ps(x, future, neg_inf);
+      if (masked) {
+        const __m512i key = _mm512_set1_epi32(static_cast<int>(key_begin + n));
+        const __mmask16 hidden = _mm512_cmpgt_epi32_mask(key, position) |
+                                 _mm512_cmpgt_epi32_mask(first_visible, key);
+        x = _mm512_mask_mov_ps(x, hidden, neg_inf);
         _mm512_storeu_ps(column + n * s.ld, x);
       }
       tile_max = _mm512_max_ps(tile_max, x);
@@ -229,12 +236,19 @@ KVSERVE_BF16_TARGET void accumulate_output(Scratch& s, int64_t num_keys) {
   }
 }
 
-// Packs each row's query pairs (rows in lanes) and its position into the scratch.
+// Packs each row's query pairs (rows in lanes), its position and window start into the
+// scratch, and starts its running softmax at its head's sink where there are sinks.
 void load_queries(const Bf16Problem& p, const Task& task, Scratch& s) {
+  const int64_t tile = task.row_end - task.row_begin;
   for_each_task_row(p, task, [&](int64_t r, const at::BFloat16* row, at::BFloat16*, int64_t position) {
     const auto* q = reinterpret_cast<const uint16_t*>(row);
     for (int64_t pair = 0; pair < p.head_dim / 2; ++pair) s.query[pair * s.ld + r] = load_pair(q + 2 * pair);
     s.position[r] = static_cast<int32_t>(position);
+    if (p.window > 0) s.first_visible[r] = static_cast<int32_t>(window_start(position, p.window));
+    if (p.sinks != nullptr) {
+      s.row_max[r] = p.sinks[task.head * p.group + r / tile] / p.scale;
+      s.row_sum[r] = 1.f;
+    }
   });
 }
 
@@ -251,11 +265,15 @@ void run_task(const Bf16Problem& p, const Task& task, Scratch& s) {
   s.reset(p.group * tile, p.head_dim);
   load_queries(p, task, s);
   const int64_t first_position = p.computed[task.span] + task.row_begin;
-  for (int64_t key_begin = 0; key_begin < task.keys; key_begin += kKeyTile) {
+  // Tiles starting before the last row's window start cross some row's window start.
+  const int64_t last_window_start = window_start(first_position + tile - 1, p.window);
+  for (int64_t key_begin = task.first_key; key_begin < task.keys; key_begin += kKeyTile) {
     const int64_t num_keys = std::min(kKeyTile, task.keys - key_begin);
     s.kv.locate<cache_t>(p, task, key_begin, num_keys);
     score_tile(s, p.head_dim, num_keys);
-    softmax_tile(s, num_keys, key_begin, key_begin + num_keys > first_position + 1, p.scale);
+    if (p.softcap > 0.f) soft_cap(s.scores.data(), num_keys * s.ld, p.softcap / p.scale);
+    const bool masked = key_begin + num_keys > first_position + 1 || key_begin < last_window_start;
+    softmax_tile(s, num_keys, key_begin, masked, p.scale);
     pack_pairs(s, num_keys, p.head_dim);
     accumulate_output(s, num_keys);
   }

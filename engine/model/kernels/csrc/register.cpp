@@ -17,11 +17,13 @@ TORCH_LIBRARY(kvserve, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor qkv, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, float scale, "
-      "Tensor? key_scale=None, Tensor? value_scale=None) -> ()");
+      "Tensor? key_scale=None, Tensor? value_scale=None, int window=0, float softcap=0.0, "
+      "Tensor? sinks=None) -> ()");
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor qkv, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor query_starts, Tensor num_computed, int num_heads, "
-      "int num_kv_heads, float scale, Tensor? key_scale=None, Tensor? value_scale=None) -> ()");
+      "int num_kv_heads, float scale, Tensor? key_scale=None, Tensor? value_scale=None, "
+      "int window=0, float softcap=0.0, Tensor? sinks=None) -> ()");
   m.def("int8_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor scales) -> ()");
   m.def("int4_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor params) -> ()");
   m.def("int8_linear_vnni(Tensor(a!) out, Tensor x, Tensor weight, Tensor scales) -> ()");

@@ -12,6 +12,13 @@ Quantized caches (int8, fp8 stored as uint8) are read in their storage type and 
 the fly: K's per-token scale multiplies the scores, V's multiplies the probabilities
 before the second matmul, which is the same sum as dequantizing first.
 
+Three per-layer variants, each compiled in only when used: a sliding ``window`` (a query
+at position ``q`` sees keys ``(q - window, q]``; a program starts at its first token's
+window, so the blocks before it, which the KV manager may have freed, are never read, and
+the work is bounded by the window), logit soft-capping (``softcap * tanh(s / softcap)`` of
+each scaled score, before the masks) and ``sinks`` (a per-head logit that joins the softmax
+denominator: the first split starts its running max at the sink and its sum at 1).
+
 Long decodes can be split over the context (``num_splits > 1``): each split writes an
 unnormalised partial output with its max and sum, and a small reduce kernel merges them.
 A split's range is derived on the device from the sequence's length, so a launch with a
@@ -29,6 +36,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)
 # Keys per inner-loop tile and the minimum rows of a tile: tl.dot needs 16 on the GPU.
 KEY_TILE = 32
 MIN_ROWS = 16
@@ -68,6 +76,15 @@ def _key_scales(scales, scale_base, key_mask, KV_FORMAT: tl.constexpr):
 
 
 @triton.jit
+def _soft_cap(scores, limit):
+    """``limit * tanh(scores / limit)``, as ``(1 - e) / (1 + e)`` with ``e = exp(-2|y|)``:
+    ``e`` stays in [0, 1], so no score overflows it."""
+    e = tl.exp(tl.abs(scores) * (-2.0 / limit))
+    capped = limit * ((1.0 - e) / (1.0 + e))
+    return tl.where(scores < 0, -capped, capped)
+
+
+@triton.jit
 def _unified_attention_kernel(
     out_ptr,
     query_ptr,
@@ -81,7 +98,10 @@ def _unified_attention_kernel(
     partial_out,
     partial_max,
     partial_sum,
+    sinks,
     scale_log2,
+    window,
+    softcap_log2,
     tiles_per_seq,
     stride_q_tok,
     stride_q_head,
@@ -105,6 +125,9 @@ def _unified_attention_kernel(
     KV_FORMAT: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0) // tiles_per_seq
     tile = tl.program_id(0) % tiles_per_seq
@@ -138,15 +161,29 @@ def _unified_attention_kernel(
     query = query.to(compute_dtype)
     query_pos = prefix + token
 
-    # Causal: this tile's last token sees keys [0, prefix + last token]; a split takes a
-    # KEY_TILE-aligned share of that range.
+    # Causal: this tile's last token sees keys [0, prefix + last token]; with a window its
+    # first token sees none before kv_start. A split takes a KEY_TILE-aligned share of the
+    # range.
     kv_end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)
-    per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), KEY_TILE) * KEY_TILE
-    kv_lo = split * per_split
+    if USE_WINDOW:
+        kv_start = tl.maximum(prefix + tile * BLOCK_M - window + 1, 0)
+        per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), KEY_TILE) * KEY_TILE
+        kv_lo = kv_start + split * per_split
+    else:
+        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), KEY_TILE) * KEY_TILE
+        kv_lo = split * per_split
     kv_hi = tl.minimum(kv_end, kv_lo + per_split)
 
-    run_max = tl.full([BLOCK_M * GROUP_P], float("-inf"), tl.float32)
-    run_sum = tl.zeros([BLOCK_M * GROUP_P], tl.float32)
+    if USE_SINKS:
+        # The sink is one more logit of the softmax, with no value: counted once, by split 0,
+        # as a running max at the sink and a sum of exp(sink - sink) = 1. A sink of -inf
+        # (padding rows, other splits) weighs nothing.
+        sink = tl.load(sinks + head, mask=row_valid, other=float("-inf")).to(tl.float32)
+        run_max = tl.where(split == 0, sink * _LOG2E, float("-inf"))
+        run_sum = tl.where(run_max > float("-inf"), 1.0, 0.0)
+    else:
+        run_max = tl.full([BLOCK_M * GROUP_P], float("-inf"), tl.float32)
+        run_sum = tl.zeros([BLOCK_M * GROUP_P], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_P, HEAD_DIM_P], tl.float32)
     key_offsets = tl.arange(0, KEY_TILE)
     for start in range(kv_lo, kv_hi, KEY_TILE):
@@ -164,7 +201,11 @@ def _unified_attention_kernel(
         )
         scores = tl.dot(query, keys_t, input_precision=DOT_PRECISION)
         scores *= _key_scales(key_scales, scale_base, key_valid, KV_FORMAT)[None, :] * scale_log2
+        if USE_SOFTCAP:
+            scores = _soft_cap(scores, softcap_log2)
         visible = key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None])
+        if USE_WINDOW:
+            visible &= key_pos[None, :] > query_pos[:, None] - window
         scores = tl.where(visible, scores, float("-inf"))
 
         new_max = tl.maximum(run_max, tl.max(scores, axis=1))
@@ -292,6 +333,9 @@ def unified_attention(
     value_scale: torch.Tensor | None = None,
     num_splits: int = 1,
     workspace: SplitWorkspace | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend every query row to its sequence's paged context; returns ``out``.
 
@@ -302,6 +346,12 @@ def unified_attention(
     by ``block_table[i]``. With ``query_starts`` (``[seqs + 1]`` row offsets) sequence
     ``i`` owns rows ``[query_starts[i], query_starts[i+1])``, at most ``max_query_len``;
     without it row ``i`` is sequence ``i``'s one decode token.
+
+    ``window`` > 0: a query at position ``q`` sees keys ``(q - window, q]`` only, and the
+    table's entries for blocks wholly before its window are never read (they may be
+    placeholders). ``softcap`` > 0 caps every scaled score ``s`` to ``softcap * tanh(s /
+    softcap)``. ``sinks`` (float32 ``[heads]``) adds ``exp(sinks[h])`` to head ``h``'s
+    softmax denominator.
     """
     tokens, heads, head_dim = query.shape
     kv_heads, _, block_size, _ = key_cache.shape
@@ -330,7 +380,10 @@ def unified_attention(
         seq_lens,
         query_starts if query_starts is not None else seq_lens,
         *partial,
+        sinks if sinks is not None else seq_lens,  # a placeholder pointer without sinks
         scale * LOG2E,
+        window,
+        softcap * LOG2E,
         tiles,
         query.stride(0),
         query.stride(1),
@@ -351,6 +404,9 @@ def unified_attention(
         KV_FORMAT=kv_format(key_cache),
         UPCAST_DOT=upcast,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        USE_WINDOW=window > 0,
+        USE_SOFTCAP=softcap > 0,
+        USE_SINKS=sinks is not None,
     )
     if num_splits > 1:
         _merge_splits_kernel[(tokens, heads)](
