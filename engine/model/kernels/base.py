@@ -4,8 +4,9 @@
 quantized KV caches, every ``AttentionParams``). ``NativeKernels`` (native.py) calls the
 fused CPU ops in csrc/; ``TritonKernels`` (triton/triton_kernels.py) the Triton attention
 and KV write. Both subclass ``TorchKernels`` and defer to it, call by call, for what their
-kernels do not take (``AttentionParams.is_plain_within`` says when a layer's window,
-soft-cap or sinks matter). ``select_kernels`` (select.py) picks one from ``--kernels``.
+kernels do not take (an fp8 cache on the CPU, a quantized cache write); all three take
+every layer's window, soft-cap and sinks. ``select_kernels`` (select.py) picks one from
+``--kernels``.
 
 Contracts (``qkv`` is the fused projection output, ``[tokens, q + 2 kv]``):
 

@@ -17,9 +17,9 @@ can test and time both (tests/model/test_cpu_isa.py).
 
 ``NativeKernels`` defers to the torch backend, call by call, for what the fused ops do not
 cover: writing a quantized KV cache (the torch write computes the scales), reading an fp8
-one, partial rotary, a float32 norm weight on a narrower activation (Gemma's norms), and
-attention whose window, soft-cap or sinks matter for the step
-(``AttentionParams.is_plain_within``; the kernels take none of them yet).
+one, partial rotary and a float32 norm weight on a narrower activation (Gemma's norms).
+The attention ops take each layer's window (work bounded by it: blocks before a window
+are never read), soft-cap and sinks.
 """
 
 from __future__ import annotations
@@ -177,8 +177,7 @@ class NativeKernels(TorchKernels):
     ) -> torch.Tensor:
         key_cache, value_cache = cache.layer(layer)
         assert meta.decode_block_table is not None and meta.decode_context_lens is not None
-        longest = meta.decode_block_table.shape[1] * cache.block_size
-        if key_cache.dtype not in _NATIVE_CACHE_DTYPES or not params.is_plain_within(longest):
+        if key_cache.dtype not in _NATIVE_CACHE_DTYPES:  # fp8
             return super().decode_attention(cache, layer, qkv, meta, spec, params)
         out = qkv.new_empty(meta.num_decodes, spec.q_size)
         self.ops.paged_decode_attention(
@@ -192,6 +191,7 @@ class NativeKernels(TorchKernels):
             spec.num_kv_heads,
             params.scale,
             *cache.layer_scales(layer),
+            *params.kernel_args(),
         )
         return out
 
@@ -206,11 +206,7 @@ class NativeKernels(TorchKernels):
     ) -> torch.Tensor:
         key_cache, value_cache = cache.layer(layer)
         tables = meta.prefill_tables
-        if (
-            key_cache.dtype not in _NATIVE_CACHE_DTYPES  # fp8
-            or tables is None
-            or not params.is_plain_within(tables.block_table.shape[1] * cache.block_size)
-        ):
+        if key_cache.dtype not in _NATIVE_CACHE_DTYPES or tables is None:  # fp8
             return super().prefill_attention(cache, layer, qkv, meta, spec, params)
         rows = qkv[meta.num_decodes :]  # a row slice of a contiguous tensor: no copy
         out = qkv.new_empty(rows.shape[0], spec.q_size)
@@ -226,5 +222,6 @@ class NativeKernels(TorchKernels):
             spec.num_kv_heads,
             params.scale,
             *cache.layer_scales(layer),
+            *params.kernel_args(),
         )
         return out

@@ -35,6 +35,14 @@ class AttentionParams:
         window_hides_nothing = self.window is None or keys <= self.window
         return self.softcap is None and self.sinks is None and window_hides_nothing
 
+    def kernel_args(self) -> tuple[int, float, torch.Tensor | None]:
+        """(window, softcap, sinks) as the native and Triton kernels take them: 0 for no
+        window or no cap, sinks as float32."""
+        sinks = self.sinks
+        if sinks is not None and sinks.dtype != torch.float32:
+            sinks = sinks.to(torch.float32)
+        return self.window or 0, self.softcap or 0.0, sinks
+
     @property
     def is_plain(self) -> bool:
         """No window, soft-cap or sinks: plain causal attention at any length."""

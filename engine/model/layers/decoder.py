@@ -150,12 +150,6 @@ class DecoderModel:
     def device(self) -> torch.device:
         return self.weights.embed.device
 
-    @property
-    def plain_attention(self) -> bool:
-        """Whether every layer's attention is plain causal softmax (no window, soft-cap or
-        sinks), which every backend's kernels compute without deferring."""
-        return all(layer.params.is_plain for layer in self.attention)
-
     @torch.inference_mode()
     def forward(
         self, token_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache

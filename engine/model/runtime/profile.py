@@ -113,10 +113,8 @@ def _cpu_peaks(
         if name != "fresh":
             first = chunks[0]  # the chunk behind the cached prefix
             context = len(first.block_ids) * block_size  # what a gather copies
-            # A layer whose window, soft-cap or sinks the kernels lack attends in torch.
-            kernels = model.kernels.name if model.plain_attention else "torch"
             extra = context_attention_bytes(
-                model.spec, kernels, kv_shape.kv_dtype, first.num_new, context, element
+                model.spec, model.kernels.name, kv_shape.kv_dtype, first.num_new, context, element
             )
             peaks[name] = fresh + extra
     return peaks

@@ -8,9 +8,8 @@ longer attended one request at a time behind a boolean mask. Both go through
 straight from the block tables. The kernels also run on the CPU under TRITON_INTERPRET=1,
 which is how the CPU test suite checks this backend end to end.
 
-Where a layer's window, soft-cap or sinks matter for a step (``AttentionParams.
-is_plain_within``), that call defers to the torch attention: ``unified_attention`` takes
-none of them yet.
+``unified_attention`` takes each layer's window (each program starts at its first query's
+window: blocks before it are never read), soft-cap and sinks.
 """
 
 from __future__ import annotations
@@ -77,8 +76,6 @@ class TritonKernels(TorchKernels):
         rows = meta.num_decodes
         # The padded table's width bounds every context: a host-side number, no sync.
         longest = meta.decode_block_table.shape[1] * cache.block_size
-        if not params.is_plain_within(longest):
-            return super().decode_attention(cache, layer, qkv, meta, spec, params)
         splits = choose_num_splits(rows, spec.num_kv_heads, longest, self.num_sms)
         return _attend(
             cache,
@@ -87,7 +84,7 @@ class TritonKernels(TorchKernels):
             spec,
             meta.decode_block_table,
             meta.decode_context_lens,
-            params.scale,
+            params,
             num_splits=splits,
         )
 
@@ -102,8 +99,6 @@ class TritonKernels(TorchKernels):
     ) -> torch.Tensor:
         tables = meta.prefill_tables
         assert tables is not None
-        if not params.is_plain_within(tables.block_table.shape[1] * cache.block_size):
-            return super().prefill_attention(cache, layer, qkv, meta, spec, params)
         starts = tables.query_starts
         seq_lens = tables.num_computed + (starts[1:] - starts[:-1])
         return _attend(
@@ -113,7 +108,7 @@ class TritonKernels(TorchKernels):
             spec,
             tables.block_table,
             seq_lens,
-            params.scale,
+            params,
             query_starts=starts,
             max_query_len=max(span.end - span.start for span in meta.prefills),
         )
@@ -132,8 +127,6 @@ class TritonKernels(TorchKernels):
         context splits included, so those rows come out as a decode step computes them."""
         tables = meta.varlen
         assert tables is not None
-        if not params.is_plain_within(tables.block_table.shape[1] * cache.block_size):
-            return super().varlen_attention(cache, layer, qkv, meta, spec, params)
         one_row_each = tables.max_query_len == 1
         splits = 1  # prefill tiles already fill the device
         if one_row_each:
@@ -146,7 +139,7 @@ class TritonKernels(TorchKernels):
             spec,
             tables.block_table,
             tables.seq_lens,
-            params.scale,
+            params,
             query_starts=None if one_row_each else tables.query_starts,
             max_query_len=tables.max_query_len,
             num_splits=splits,
@@ -160,7 +153,7 @@ def _attend(
     spec: ModelSpec,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
-    scale: float,
+    params: AttentionParams,
     query_starts: torch.Tensor | None = None,
     max_query_len: int = 1,
     num_splits: int = 1,
@@ -171,6 +164,7 @@ def _attend(
     out = qkv_rows.new_empty(rows, spec.num_heads, spec.head_dim)
     key, value = cache.layer(layer)
     key_scale, value_scale = cache.layer_scales(layer)
+    window, softcap, sinks = params.kernel_args()
     unified_attention(
         out,
         _query_heads(qkv_rows, spec),
@@ -178,12 +172,15 @@ def _attend(
         value,
         block_table,
         seq_lens,
-        scale,
+        params.scale,
         query_starts=query_starts,
         max_query_len=max_query_len,
         key_scale=key_scale,
         value_scale=value_scale,
         num_splits=num_splits,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
     )
     return out.view(rows, spec.q_size)
 
