@@ -51,6 +51,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
             # without blocking the loop.
             ctx.engine.request_shutdown()
             await asyncio.to_thread(ctx.engine.join)
+            ctx.request_cpu.shutdown()
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.ctx = ctx

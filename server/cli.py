@@ -304,6 +304,7 @@ def _run_uvicorn(
 ) -> int:
     from server.app import build_app, serving_context
     from server.http_server import uvicorn_config
+    from server.request_cpu import favour_the_event_loop
     from server.shutdown import DrainingServer
 
     cache_info = {
@@ -314,6 +315,7 @@ def _run_uvicorn(
     ctx = serving_context(built, settings, cache_info=cache_info, compute=compute)
     app = build_app(ctx)
     config = uvicorn_config(app, settings, ctx.count_rejected)
+    favour_the_event_loop()
     hub = getattr(app.state, "ui_hub", None)
     server = DrainingServer(config, ctx.engine, on_drain=hub.close if hub is not None else None)
     # uvicorn drains on SIGTERM/SIGINT (stop accepting, wait for in-flight requests up to
