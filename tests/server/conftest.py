@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,10 +166,15 @@ class KvserveProcess:
 
 @contextmanager
 def kvserve_process(
-    model_dir: Path, *flags: str, startup_s: float = 180
+    model_dir: Path,
+    *flags: str,
+    startup_s: float = 180,
+    env: dict[str, str] | None = None,
+    prefix: Sequence[str] = (),
 ) -> Iterator[KvserveProcess]:
     """Run the real CLI (``python -m server.cli serve``) on a free 127.0.0.1 port with the
-    tiny model and ``flags``; wait for ``/health``; kill it on exit if it is still up."""
+    tiny model and ``flags`` (after ``prefix``, e.g. a ``nice``); wait for ``/health``;
+    kill it on exit if it is still up."""
     import os
     import subprocess
     import sys
@@ -180,13 +185,15 @@ def kvserve_process(
         probe.bind(("127.0.0.1", 0))
         port = int(probe.getsockname()[1])
     command = [
+        *prefix,
         *(sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir)),
         *("--device", "cpu", "--dtype", "float32", "--max-model-len", str(TINY_MAX_MODEL_LEN)),
         *("--port", str(port), "--log-level", "warning", *flags),
     ]
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    process = subprocess.Popen(command, cwd=root, env=env)
+    process = subprocess.Popen(
+        command, cwd=root, env={**os.environ, "PYTHONPATH": str(root), **(env or {})}
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + startup_s
     try:
