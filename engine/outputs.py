@@ -235,6 +235,10 @@ class TierStats:
     dropped_writes_total: int = 0
     failed_loads_total: int = 0
     in_step_stores_total: int = 0  # blocks stored inside a step, not written ahead
+    # Disk tier only: entries rejected by reason (engine/kv/disk_store.py REJECT_REASONS),
+    # and temporary files of crashed writes removed at start-up.
+    rejected_entries_total: tuple[tuple[str, int], ...] = ()
+    removed_temp_files_total: int = 0
 
 
 @dataclass(frozen=True)

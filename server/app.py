@@ -1,4 +1,4 @@
-"""The FastAPI application: routes, OpenAI-shaped errors, auth and body-size limits.
+"""The FastAPI application: routes, OpenAI-shaped errors, auth and body limits.
 
 ``build_app(ctx)`` wires a ready ``ServingContext``; ``serving_context(built, settings)``
 makes one from what ``engine.builder.build_engine`` returns. The engine thread starts
@@ -16,10 +16,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.async_engine import AsyncEngine
 from engine.compute_thread import ComputeThread
+from server.body_reader import BodyReadMiddleware, send_error
 from server.chat_template import ChatTemplate
 from server.cors import add_cors
 from server.errors import APIError, install_error_handlers
@@ -50,6 +51,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
             # without blocking the loop.
             ctx.engine.request_shutdown()
             await asyncio.to_thread(ctx.engine.join)
+            ctx.request_cpu.shutdown()
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.ctx = ctx
@@ -61,8 +63,9 @@ def build_app(ctx: ServingContext) -> FastAPI:
         _install_ui(app, ctx)
     # Starlette runs the last added middleware first: auth before reading any body.
     app.add_middleware(
-        BodyLimitMiddleware,
+        BodyReadMiddleware,
         limit=settings.max_request_body_bytes,
+        timeout_s=settings.request_body_timeout_s,
         on_reject=ctx.count_rejected,
     )
     if settings.api_key is not None:
@@ -162,14 +165,6 @@ def _make_metrics(
     )
 
 
-async def _send_error(scope: Scope, send: Send, error: APIError) -> None:
-    await error.response()(scope, _no_receive, send)
-
-
-async def _no_receive() -> Message:
-    return {"type": "http.disconnect"}
-
-
 class AuthMiddleware:
     """Requires ``Authorization: Bearer <key>`` on the API paths (constant-time compare)."""
 
@@ -200,7 +195,7 @@ class AuthMiddleware:
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
-        await _send_error(scope, send, error)
+        await send_error(scope, send, error)
 
     def _needs_key(self, path: str) -> bool:
         if path in UI_SHELL_PATHS or path.startswith(UI_SHELL_PREFIX):
@@ -216,56 +211,3 @@ class AuthMiddleware:
         scheme, _, token = header.partition(b" ")
         # compare_digest on the whole token: no early exit that leaks the key's prefix.
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
-
-
-class BodyLimitMiddleware:
-    """Refuses request bodies over ``limit`` bytes with a 413, declared or streamed."""
-
-    def __init__(self, app: ASGIApp, *, limit: int, on_reject: Callable[[str], None]) -> None:
-        self.app = app
-        self._limit = limit
-        self._on_reject = on_reject
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if self._declared_length(scope) > self._limit:
-            await self._reject(scope, send)
-            return
-        buffered: list[Message] = []
-        total = 0
-        while True:
-            message = await receive()
-            buffered.append(message)
-            if message["type"] != "http.request":
-                break
-            total += len(message.get("body", b""))
-            if total > self._limit:
-                await self._reject(scope, send)
-                return
-            if not message.get("more_body", False):
-                break
-
-        async def replay() -> Message:
-            return buffered.pop(0) if buffered else await receive()
-
-        await self.app(scope, replay, send)
-
-    def _declared_length(self, scope: Scope) -> int:
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    return int(value)
-                except ValueError:
-                    return 0
-        return 0
-
-    async def _reject(self, scope: Scope, send: Send) -> None:
-        self._on_reject("body_too_large")
-        error = APIError(
-            413,
-            f"Request body too large: the limit is {self._limit} bytes (--max-request-body-bytes).",
-            code="request_too_large",
-        )
-        await _send_error(scope, send, error)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import logging
-import math
 import os
 import signal
 import sys
@@ -27,7 +26,12 @@ from engine.config import (
     SpeculativeConfig,
 )
 from server.cli_frontend import add_frontend_arguments, frontend_settings
-from server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
+from server.settings import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_REQUEST_BODY_TIMEOUT_S,
+    DEFAULT_REQUEST_HEADER_TIMEOUT_S,
+    ServerSettings,
+)
 from server.tools.parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("kvserve")
@@ -139,6 +143,21 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="require the API key on /health, /version and /metrics too",
     )
     http.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
+    http.add_argument(
+        "--request-header-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_HEADER_TIMEOUT_S,
+        help="seconds a client may take to send a request's headers (from the connection's "
+        "start, or the request's first byte on a kept-alive connection); then 408 and the "
+        "connection is closed (0 = no limit)",
+    )
+    http.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
+        help="seconds a client may take to send a request's whole body after its headers; "
+        "then 408 and the connection is closed (0 = no limit)",
+    )
     http.add_argument("--max-n", type=int, default=16, help="largest accepted n")
     http.add_argument(
         "--max-messages", type=int, default=512, help="most chat messages in one request"
@@ -240,6 +259,8 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         api_key=api_key,
         protect_open_endpoints=args.protect_open_endpoints,
         max_request_body_bytes=args.max_request_body_bytes,
+        request_header_timeout_s=args.request_header_timeout,
+        request_body_timeout_s=args.request_body_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
         max_n=args.max_n,
         max_messages=args.max_messages,
@@ -288,9 +309,9 @@ def run_serve(args: argparse.Namespace) -> int:
 def _run_uvicorn(
     built: object, engine_args: EngineArgs, settings: ServerSettings, compute: ComputeThread
 ) -> int:
-    import uvicorn
-
     from server.app import build_app, serving_context
+    from server.http_server import uvicorn_config
+    from server.request_cpu import favour_the_event_loop
     from server.shutdown import DrainingServer
 
     cache_info = {
@@ -300,13 +321,8 @@ def _run_uvicorn(
     }
     ctx = serving_context(built, settings, cache_info=cache_info, compute=compute)
     app = build_app(ctx)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_s),
-    )
+    config = uvicorn_config(app, settings, ctx.count_rejected)
+    favour_the_event_loop()
     hub = getattr(app.state, "ui_hub", None)
     server = DrainingServer(config, ctx.engine, on_drain=hub.close if hub is not None else None)
     # uvicorn drains on SIGTERM/SIGINT (stop accepting, wait for in-flight requests up to

@@ -19,9 +19,18 @@ Beyond OpenAI, the vLLM sampling extensions are honoured: ``top_k``, ``min_p``,
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from server.structured import ResponseFormat, StructuredOutputsParams
 from server.tools.models import ToolCallMessage, ToolChoice, ToolDefinition
@@ -249,7 +258,25 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-PromptInput = str | list[str] | list[int] | list[list[int]]
+def _prompt_form(value: Any) -> str:
+    """Which form of ``prompt`` the value is, told by its first element: a long list
+    validated against one form instead of all four costs ~15x less (500,000 token ids:
+    ~25 ms instead of ~400, every one of them holding the GIL)."""
+    if not isinstance(value, list):
+        return "text"
+    first = value[0] if value else 0
+    if isinstance(first, str):
+        return "texts"
+    return "id_lists" if isinstance(first, list) else "ids"
+
+
+PromptInput = Annotated[
+    Annotated[str, Tag("text")]
+    | Annotated[list[str], Tag("texts")]
+    | Annotated[list[int], Tag("ids")]
+    | Annotated[list[list[int]], Tag("id_lists")],
+    Discriminator(_prompt_form),
+]
 
 
 class CompletionRequest(SamplingFields):

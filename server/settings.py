@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from server.tools.parsers import TOOL_CALL_PARSERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+# A request's headers must be complete this many seconds after its first byte (on a new
+# connection: after the connection opened), its body this many seconds after the headers.
+DEFAULT_REQUEST_HEADER_TIMEOUT_S = 10.0
+DEFAULT_REQUEST_BODY_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,10 @@ class ServerSettings:
     api_key: str | None = None
     protect_open_endpoints: bool = False
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # 408 / connection closed past these (server/http_server.py, server/body_reader.py);
+    # 0 = no bound.
+    request_header_timeout_s: float = DEFAULT_REQUEST_HEADER_TIMEOUT_S
+    request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S
     shutdown_timeout_s: float = 30.0
     retry_after_s: int = 1
     max_n: int = 16
@@ -51,6 +59,8 @@ class ServerSettings:
             raise ValueError("port must be in [0, 65535]")
         if self.max_request_body_bytes < 1:
             raise ValueError("max_request_body_bytes must be >= 1")
+        if self.request_header_timeout_s < 0 or self.request_body_timeout_s < 0:
+            raise ValueError("request header and body timeouts must be >= 0 (0 = no bound)")
         if self.shutdown_timeout_s < 0:
             raise ValueError("shutdown_timeout_s must be >= 0")
         if self.api_key is not None and not self.api_key:

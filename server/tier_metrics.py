@@ -13,15 +13,22 @@ kvserve_kv_tier_failed_loads_total{tier}   counter  loads rejected (missing, cor
 kvserve_kv_tier_in_step_stores_total{tier} counter  blocks stored inside a step (evictions
                                                     outran the write-ahead beside the forward)
 kvserve_num_requests_loading               gauge    requests loading a prefix back
+
+The disk tier's own (engine/kv/disk_store.py), only with --kv-cache-disk-dir:
+
+kvserve_kv_disk_rejected_entries_total{reason} counter entries refused (empty, truncated,
+                                                    oversized, header, checksum: deleted;
+                                                    fingerprint: another configuration's)
+kvserve_kv_disk_removed_temp_files_total   counter  crashed writes' temporary files removed
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from engine.outputs import EngineStats
+from engine.outputs import EngineStats, TierStats
 
 PREFIX = "kvserve_"
 
@@ -77,3 +84,25 @@ def tier_families(model: str, stats: EngineStats) -> Iterator[Metric]:
         moved.add_metric([model, tier.name, "in"], tier.stored_bytes_total)
         moved.add_metric([model, tier.name, "out"], tier.loaded_bytes_total)
     yield moved
+    yield from _disk_families(model, stats.tiers)
+
+
+def _disk_families(model: str, tiers: Sequence[TierStats]) -> Iterator[Metric]:
+    disk = next((tier for tier in tiers if tier.name == "disk"), None)
+    if disk is None:
+        return
+    rejected = CounterMetricFamily(
+        PREFIX + "kv_disk_rejected_entries",
+        "Disk-tier entries refused, by reason (all but fingerprint are deleted).",
+        labels=["model_name", "reason"],
+    )
+    for reason, count in disk.rejected_entries_total:
+        rejected.add_metric([model, reason], count)
+    yield rejected
+    removed = CounterMetricFamily(
+        PREFIX + "kv_disk_removed_temp_files",
+        "Temporary files of disk-tier writes a crash cut short, removed at start-up.",
+        labels=["model_name"],
+    )
+    removed.add_metric([model], disk.removed_temp_files_total)
+    yield removed

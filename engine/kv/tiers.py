@@ -32,6 +32,7 @@ swap never overwrites a tier block in the step that demotes into it. Pure Python
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import islice
@@ -62,6 +63,12 @@ class DiskIndex(Protocol):
 
     @property
     def dropped_writes(self) -> int: ...
+
+    @property
+    def rejected_entries(self) -> dict[str, int]: ...
+
+    @property
+    def removed_temp_files(self) -> int: ...
 
 
 @dataclass
@@ -303,15 +310,20 @@ class TieredPrefixCache:
                 )
             )
         if self.disk is not None and DISK in self.counters:
+            disk = _tier_stats(
+                DISK,
+                self.counters[DISK],
+                capacity_blocks=disk_tier_blocks(shape, block_size, self.disk.capacity_bytes),
+                used_blocks=self.disk.num_entries,
+                used_bytes=self.disk.used_bytes,
+                capacity_bytes=self.disk.capacity_bytes,
+                dropped_writes=self.disk.dropped_writes,
+            )
             out.append(
-                _tier_stats(
-                    DISK,
-                    self.counters[DISK],
-                    capacity_blocks=disk_tier_blocks(shape, block_size, self.disk.capacity_bytes),
-                    used_blocks=self.disk.num_entries,
-                    used_bytes=self.disk.used_bytes,
-                    capacity_bytes=self.disk.capacity_bytes,
-                    dropped_writes=self.disk.dropped_writes,
+                dataclasses.replace(
+                    disk,
+                    rejected_entries_total=tuple(sorted(self.disk.rejected_entries.items())),
+                    removed_temp_files_total=self.disk.removed_temp_files,
                 )
             )
         return tuple(out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter
@@ -10,12 +11,14 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.outputs import TokenLogprob
+from engine.request import SamplingParams
 from server.choice_output import OutputOptions
 from server.logprob_format import vllm_prompt_logprobs
 from server.protocol import ChatCompletionRequest
+from server.request_body import OffLoopBodyRoute
 from server.routes.context import Ctx, ServingContext
 from server.routes.generation import ChoiceUpdate, GenerationRun
-from server.routes.prompts import chat_prompt_ids_async, resolve_max_tokens, sampling_params
+from server.routes.prompts import chat_prompt_ids, resolve_max_tokens, sampling_params
 from server.routes.streaming import (
     complete_or_abort,
     finite,
@@ -24,13 +27,13 @@ from server.routes.streaming import (
     sse,
     stream_when_started,
 )
-from server.structured import constrained, requested_constraints
+from server.structured import Constraint, constrained, requested_constraints
 from server.token_bytes import TokenBytes
 from server.tools.events import OutputEvent, ToolCallStart, assemble, delta_of
 from server.tools.output import choice_output, finish_reason
 from server.tools.plan import ToolPlan, output_constraint, plan_tools
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopBodyRoute)
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -40,16 +43,12 @@ async def create_chat_completion(
     ctx: Ctx,
 ) -> JSONResponse | StreamingResponse:
     model = ctx.check_model(body.model)
-    plan = plan_tools(body, ctx.settings)
-    constraint = output_constraint(plan, requested_constraints(body))
-    prompt_ids = await chat_prompt_ids_async(ctx, body, plan.tools)
-    max_tokens = resolve_max_tokens(ctx, len(prompt_ids), body.requested_max_tokens, "messages")
-    params = sampling_params(ctx, body, max_tokens, body.num_logprobs)
-    params = await constrained(ctx.grammar_compiler, params, constraint, plan.checks)
+    chat = await ctx.request_cpu.run(request, prepare_chat, ctx, body)
+    params = await constrained(ctx.grammar_compiler, chat.params, chat.constraint, chat.plan.checks)
     run = GenerationRun(
         ctx,
         new_id("chatcmpl"),
-        [prompt_ids],
+        [chat.prompt_ids],
         params,
         stop=body.stop_strings,
         priority=body.priority,
@@ -57,10 +56,31 @@ async def create_chat_completion(
         options=OutputOptions.from_request(body),
     )
     await run.submit()
-    formatter = _ChatFormatter(ctx, run, model, body, plan)
+    formatter = _ChatFormatter(ctx, run, model, body, chat.plan)
     if body.stream:
         return await stream_when_started(request, run, formatter.events)
     return await complete_or_abort(request, run, formatter.collect)
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    """A chat request turned into what the engine runs, before its grammar is compiled."""
+
+    plan: ToolPlan
+    constraint: Constraint | None
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> PreparedChat:
+    """Tools, output constraint, rendered and tokenized prompt, sampling parameters: all
+    the request's own CPU work, in one call the route makes from a worker thread."""
+    plan = plan_tools(body, ctx.settings)
+    constraint = output_constraint(plan, requested_constraints(body))
+    prompt_ids = chat_prompt_ids(ctx, body.messages, body, plan.tools)
+    max_tokens = resolve_max_tokens(ctx, len(prompt_ids), body.requested_max_tokens, "messages")
+    params = sampling_params(ctx, body, max_tokens, body.num_logprobs)
+    return PreparedChat(plan, constraint, prompt_ids, params)
 
 
 class _ChatFormatter:

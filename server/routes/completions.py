@@ -10,9 +10,11 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.outputs import TokenLogprob
+from engine.request import SamplingParams
 from server.choice_output import OutputOptions
 from server.logprob_format import vllm_prompt_logprobs
 from server.protocol import CompletionRequest
+from server.request_body import OffLoopBodyRoute
 from server.routes.context import Ctx, ServingContext
 from server.routes.generation import GenerationRun
 from server.routes.prompts import completion_prompts, resolve_max_tokens, sampling_params
@@ -24,9 +26,14 @@ from server.routes.streaming import (
     sse,
     stream_when_started,
 )
-from server.structured import constrained, requested_constraints, single_constraint
+from server.structured import (
+    Constraint,
+    constrained,
+    requested_constraints,
+    single_constraint,
+)
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopBodyRoute)
 
 
 @router.post("/v1/completions", response_model=None)
@@ -36,15 +43,7 @@ async def create_completion(
     ctx: Ctx,
 ) -> JSONResponse | StreamingResponse:
     model = ctx.check_model(body.model)
-    prompts = completion_prompts(ctx, body)
-    # One budget for all prompts: omitted max_tokens means what the longest prompt leaves.
-    longest = max(len(ids) for ids in prompts)
-    requested = body.requested_max_tokens
-    if body.max_tokens is None:  # the default 16, or what the context leaves if less
-        requested = max(1, min(requested, ctx.max_model_len - longest))
-    max_tokens = resolve_max_tokens(ctx, longest, requested, "prompt")
-    params = sampling_params(ctx, body, max_tokens, body.num_logprobs)
-    constraint = single_constraint(requested_constraints(body))
+    prompts, params, constraint = await ctx.request_cpu.run(request, prepare_completion, ctx, body)
     params = await constrained(ctx.grammar_compiler, params, constraint)
     run = GenerationRun(
         ctx,
@@ -61,6 +60,23 @@ async def create_completion(
     if body.stream:
         return await stream_when_started(request, run, formatter.events)
     return await complete_or_abort(request, run, formatter.collect)
+
+
+def prepare_completion(
+    ctx: ServingContext, body: CompletionRequest
+) -> tuple[list[list[int]], SamplingParams, Constraint | None]:
+    """Prompt ids, sampling parameters and output constraint: all the request's own CPU
+    work, in one call the route makes from a worker thread."""
+    prompts = completion_prompts(ctx, body)
+    # One budget for all prompts: omitted max_tokens means what the longest prompt leaves.
+    longest = max(len(ids) for ids in prompts)
+    requested = body.requested_max_tokens
+    if body.max_tokens is None:  # the default 16, or what the context leaves if less
+        requested = max(1, min(requested, ctx.max_model_len - longest))
+    max_tokens = resolve_max_tokens(ctx, longest, requested, "prompt")
+    params = sampling_params(ctx, body, max_tokens, body.num_logprobs)
+    constraint = single_constraint(requested_constraints(body))
+    return prompts, params, constraint
 
 
 class _CompletionFormatter:

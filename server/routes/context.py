@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Request
@@ -10,6 +10,7 @@ from fastapi import Depends, Request
 from engine.async_engine import AsyncEngine
 from server.chat_template import ChatTemplate
 from server.errors import APIError
+from server.request_cpu import RequestCpu
 from server.settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ class ServingContext:
     startup_facts: dict[str, Any] | None = None
     scheduling_policy: str = "fcfs"  # the engine's; under fcfs a priority is refused
     chat_template: ChatTemplate | None = None  # built from settings when None
+    # The worker threads of requests' own CPU work (server/request_cpu.py).
+    request_cpu: RequestCpu = field(default_factory=RequestCpu)
 
     def template(self) -> ChatTemplate:
         """The chat template the routes render with (--chat-template or the model's)."""

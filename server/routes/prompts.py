@@ -1,9 +1,12 @@
 """From validated request models to token ids and SamplingParams, with the checks that
-need the tokenizer or the context length (the pydantic models cannot know those)."""
+need the tokenizer or the context length (the pydantic models cannot know those).
+
+Everything here is CPU work proportional to the request (rendering, tokenizing, walking
+token ids): the routes call it from a worker thread, never on the event loop.
+"""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,11 +15,8 @@ from server.chat_template import ChatTemplateOptions
 from server.errors import APIError, invalid
 from server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from server.routes.context import ServingContext
+from server.text_tokens import encode_text
 from server.tools.models import ToolDefinition
-
-# Conversations or prompts longer than this (characters) are rendered and tokenised on a
-# worker thread instead of the event loop.
-OFF_LOOP_PROMPT_CHARS = 8192
 
 
 def render_chat(
@@ -61,19 +61,7 @@ def chat_prompt_ids(
     options = chat_options(body, tools) if body is not None else None
     text = render_chat(ctx, messages, options=options)
     add_special = body.add_special_tokens if body is not None else False
-    ids: list[int] = ctx.tokenizer.encode(text, add_special_tokens=add_special)
-    return ids
-
-
-async def chat_prompt_ids_async(
-    ctx: ServingContext, body: ChatCompletionRequest, tools: Sequence[ToolDefinition] = ()
-) -> list[int]:
-    """``chat_prompt_ids`` off the event loop when the conversation is long, so rendering
-    and tokenising a big prompt does not stall other requests' streams."""
-    size = sum(len(m.text) for m in body.messages)
-    if size < OFF_LOOP_PROMPT_CHARS:
-        return chat_prompt_ids(ctx, body.messages, body, tools)
-    return await asyncio.to_thread(chat_prompt_ids, ctx, body.messages, body, tools)
+    return encode_text(ctx.tokenizer, text, add_special_tokens=add_special)
 
 
 def completion_prompts(ctx: ServingContext, body: CompletionRequest) -> list[list[int]]:
@@ -88,8 +76,9 @@ def completion_prompts(ctx: ServingContext, body: CompletionRequest) -> list[lis
     result = []
     for item in items:
         if isinstance(item, str):
-            ids = ctx.tokenizer.encode(item, add_special_tokens=body.add_special_tokens)
-            result.append(list(ids))
+            result.append(
+                encode_text(ctx.tokenizer, item, add_special_tokens=body.add_special_tokens)
+            )
         else:
             check_token_ids(ctx, item, "prompt")
             result.append(list(item))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,13 +69,18 @@ def live_server(built: Any, settings: ServerSettings) -> Iterator[LiveServer]:
     """Run uvicorn in a thread on a pre-bound 127.0.0.1 socket; stop it on exit."""
     import uvicorn
 
+    from server.http_server import uvicorn_config
+
     ctx = serving_context(built, settings)
     app = build_app(ctx)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
+    # The CLI's configuration (the header-read timeout included), quieter and quicker.
+    config = uvicorn_config(
+        app, settings, ctx.count_rejected, log_level="warning", timeout_graceful_shutdown=2
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -148,3 +153,60 @@ def smollm_tools_server(smollm_gguf: Path) -> Iterator[LiveServer]:
     )
     with live_server(build_engine(args), settings) as live:
         yield live
+
+
+@dataclass
+class KvserveProcess:
+    """A ``kvserve serve`` child process and its base URL."""
+
+    process: Any
+    url: str
+    port: int
+
+
+@contextmanager
+def kvserve_process(
+    model_dir: Path,
+    *flags: str,
+    startup_s: float = 180,
+    env: dict[str, str] | None = None,
+    prefix: Sequence[str] = (),
+) -> Iterator[KvserveProcess]:
+    """Run the real CLI (``python -m server.cli serve``) on a free 127.0.0.1 port with the
+    tiny model and ``flags`` (after ``prefix``, e.g. a ``nice``); wait for ``/health``;
+    kill it on exit if it is still up."""
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    command = [
+        *prefix,
+        *(sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir)),
+        *("--device", "cpu", "--dtype", "float32", "--max-model-len", str(TINY_MAX_MODEL_LEN)),
+        *("--port", str(port), "--log-level", "warning", *flags),
+    ]
+    root = Path(__file__).resolve().parents[2]
+    process = subprocess.Popen(
+        command, cwd=root, env={**os.environ, "PYTHONPATH": str(root), **(env or {})}
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + startup_s
+    try:
+        while True:
+            assert process.poll() is None, "kvserve serve exited during start-up"
+            assert time.monotonic() < deadline, "kvserve serve did not become healthy"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield KvserveProcess(process, url, port)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)

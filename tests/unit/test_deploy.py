@@ -59,7 +59,10 @@ def exported_names() -> set[str]:
         payload_bytes=5 * 64,
         allocated_bytes=16 * 64,
         shared_bytes=0,
-        tiers=(TierStats("host", 4, 1, 1024, 4096),),
+        tiers=(
+            TierStats("host", 4, 1, 1024, 4096),
+            TierStats("disk", 8, 1, 1536, 8192, rejected_entries_total=(("checksum", 1),)),
+        ),
     )
     metrics = ServerMetrics(
         model_name="m",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -321,3 +322,97 @@ def test_a_found_host_block_is_not_overwritten_while_its_load_is_planned() -> No
     assert ops[-1] == TierOp("host", pinned, "device", 7, h(1), "r")
     assert tiers.host.lookup(h(1)) is not None
     tiers.check_integrity()
+
+
+# -- disk store: clean-up at start-up, rejections by reason, durability (issue 42) --------
+
+
+def entry_path(directory: Path, key: bytes) -> Path:
+    return directory / f"{key.hex()}{SUFFIX}"
+
+
+def test_start_up_deletes_damaged_entries_and_crashed_writes(tmp_path: Path) -> None:
+    disk = store(tmp_path)
+    for i in range(1, 6):
+        write(disk, h(i), bytes([i]) * 64)
+    disk.close()
+    paths = [entry_path(tmp_path, h(i)) for i in range(1, 6)]
+    truncated, flipped, empty, bad_header, intact = paths
+    truncated.write_bytes(truncated.read_bytes()[:-5])
+    data = bytearray(flipped.read_bytes())
+    data[-1] ^= 0x01
+    flipped.write_bytes(bytes(data))
+    empty.write_bytes(b"")
+    bad_header.write_bytes(b"XXXXXXXX" + bad_header.read_bytes()[8:])
+    leftovers = [tmp_path / f".{h(i).hex()}{SUFFIX}.tmp" for i in (7, 8)]
+    for path in leftovers:
+        path.write_bytes(b"half a block")
+
+    again = store(tmp_path)
+    # Headers and lengths are read at start-up: those files are gone before it returns.
+    assert not any(p.exists() for p in (truncated, empty, bad_header, *leftovers))
+    assert again.removed_temp_files == 2
+    # Checksums are the writer's idle work; the flipped payload goes once it is checked.
+    assert again.wait_verified(10)
+    assert not flipped.exists()
+    rejected = again.rejected_entries
+    assert (rejected["truncated"], rejected["checksum"], rejected["empty"]) == (1, 1, 1)
+    assert rejected["header"] == 1 and sum(rejected.values()) == 4
+    assert again.read(h(5)) == bytes([5]) * 64
+    assert again.num_entries == 1 and again.used_bytes == DISK_ENTRY_HEADER_BYTES + 64
+    assert sorted(p.name for p in tmp_path.iterdir()) == [intact.name]
+
+
+def test_a_corrupt_entry_found_by_a_read_is_deleted_and_counted_once(tmp_path: Path) -> None:
+    disk = store(tmp_path)
+    write(disk, h(1), b"a" * 64)
+    assert disk.wait_verified(10)
+    path = entry_path(tmp_path, h(1))
+    data = bytearray(path.read_bytes())
+    data[DISK_ENTRY_HEADER_BYTES] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert disk.read(h(1)) is None and disk.read(h(1)) is None
+    assert not path.exists() and disk.used_bytes == 0
+    assert disk.rejected_entries["checksum"] == 1
+
+
+def test_foreign_entries_count_against_the_bound_and_are_evicted_first(tmp_path: Path) -> None:
+    entry = DISK_ENTRY_HEADER_BYTES + 64
+    mine = store(tmp_path)
+    write(mine, h(1), b"a" * 64)
+    write(mine, h(2), b"b" * 64)
+    mine.close()
+    other_fingerprint = DiskFingerprint("other", "float32", "float32", 4, 2, 2, 8)
+    other = DiskStore(tmp_path, 3 * entry, other_fingerprint)
+    assert other.num_entries == 0 and other.used_bytes == 2 * entry
+    assert other.rejected_entries["fingerprint"] == 2
+    assert entry_path(tmp_path, h(1)).exists()  # not deleted while there is room
+    write(other, h(3), b"c" * 64)
+    write(other, h(4), b"d" * 64)  # needs room: a foreign entry goes, not an own one
+    assert other.used_bytes <= 3 * entry and other.num_entries == 2
+    assert len([p for p in tmp_path.glob(f"*{SUFFIX}")]) == 3
+
+
+def test_a_block_is_fsynced_before_the_rename_that_publishes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real fsync and rename run; the spy records which file each one touched."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src: os.PathLike[str], dst: os.PathLike[str]) -> None:
+        events.append(("replace", str(src)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    disk = store(tmp_path)
+    write(disk, h(1), b"a" * 64)
+    disk.close()
+    tmp = str(tmp_path / f".{h(1).hex()}{SUFFIX}.tmp")
+    assert events.index(("fsync", tmp)) < events.index(("replace", tmp))
+    assert events[-1] == ("fsync", str(tmp_path))  # then the directory, once idle

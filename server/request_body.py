@@ -1,0 +1,136 @@
+"""JSON request bodies parsed, checked and validated off the event loop.
+
+FastAPI parses a JSON body with ``json.loads`` and validates it with pydantic on the event
+loop. For a 4 MB body that is no longer free: 500,000 token ids take ~120 ms to parse and
+~400 ms to validate, 100,000 chat messages ~150 ms and ~700 ms, every millisecond of it
+holding the loop (and with it ``/health`` and every running stream).
+
+``OffLoopBodyRoute``, the route class of every router whose routes take a body, reads the
+body on the loop (that is only I/O) and hands the rest to a worker thread of the
+request's lane (server/request_cpu.py), ``validated_body``:
+
+1. ``parse_json``: ``json.loads`` with Python-level hooks for integers and objects. The
+   hooks cost ~10% but run as bytecode, so the interpreter can hand the GIL to the event
+   loop between two numbers or two objects; with the default C callbacks one
+   ``json.loads`` holds it for the whole body.
+2. ``find_bad_value`` (server/value_check.py): text UTF-8 cannot encode, or a NaN or
+   infinite number, is a 400 naming the field, whatever the route and field.
+3. ``model.model_validate``: pydantic, with the errors FastAPI itself would report.
+
+FastAPI then receives the finished model: pydantic passes an instance of the expected
+model through without validating it again, so the route's signature (and with it the
+OpenAPI schema) stays as it is.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from server.errors import invalid
+from server.request_cpu import RequestCpu, note_body_bytes
+from server.value_check import find_bad_value
+
+Handler = Callable[[Request], Coroutine[Any, Any, Response]]
+
+
+def _int(text: str) -> int:
+    # A Python function on purpose: see the module docstring (the GIL).
+    return int(text)
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    return dict(pairs)
+
+
+def parse_json(raw: bytes) -> Any:
+    """The body as Python values; a malformed body is the 400 FastAPI would give."""
+    try:
+        return json.loads(raw, parse_int=_int, object_pairs_hook=_object)
+    except json.JSONDecodeError as exc:
+        error = {
+            "type": "json_invalid",
+            "loc": ("body", exc.pos),
+            "msg": "JSON decode error",
+            "input": {},
+            "ctx": {"error": exc.msg},
+        }
+        raise RequestValidationError([error]) from exc
+    except UnicodeDecodeError as exc:
+        raise invalid(f"the request body is not UTF-8: {exc.reason} at byte {exc.start}") from exc
+    except (ValueError, RecursionError) as exc:  # a 5,000-digit number, nesting too deep
+        raise invalid(f"the request body is not usable JSON: {exc}") from exc
+
+
+def validated_body(model: type[BaseModel], raw: bytes) -> BaseModel:
+    """Parse ``raw``, refuse bad values (server/value_check.py), validate against
+    ``model``. Blocking: call it from a worker thread."""
+    data = parse_json(raw)
+    bad = find_bad_value(data)
+    if bad is not None:
+        raise invalid(bad.message(), bad.path or None)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        errors = [{**err, "loc": ("body", *err["loc"])} for err in exc.errors(include_url=False)]
+        raise RequestValidationError(errors) from None
+
+
+class OffLoopBodyRoute(APIRoute):
+    """An APIRoute whose JSON body is parsed and validated in a worker thread."""
+
+    def get_route_handler(self) -> Handler:
+        handler = super().get_route_handler()
+        model = self._body_model()
+        if model is None:
+            return handler
+
+        async def parse_then_handle(request: Request) -> Response:
+            if _is_json(request.headers.get("content-type")):
+                raw = await request.body()
+                if raw:  # an empty body is left to FastAPI ("Field required")
+                    note_body_bytes(request, len(raw))
+                    cpu: RequestCpu = request.app.state.ctx.request_cpu
+                    parsed = await cpu.run(request, validated_body, model, raw)
+                    request = _ParsedBodyRequest(request, raw, parsed)
+            return await handler(request)
+
+        return parse_then_handle
+
+    def _body_model(self) -> type[BaseModel] | None:
+        annotation = self.body_field.field_info.annotation if self.body_field else None
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            return annotation
+        return None
+
+
+class _ParsedBodyRequest(Request):
+    """The request with its body already read and its JSON already a validated model."""
+
+    def __init__(self, request: Request, raw: bytes, parsed: BaseModel) -> None:
+        super().__init__(request.scope, request.receive)
+        self._raw = raw
+        self._parsed = parsed
+
+    async def body(self) -> bytes:
+        return self._raw
+
+    async def json(self) -> Any:
+        return self._parsed
+
+
+def _is_json(content_type: str | None) -> bool:
+    """FastAPI's rule for a body it parses as JSON: ``application/json`` or ``+json``."""
+    if not content_type:
+        return False
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
