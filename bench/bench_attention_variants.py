@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.model import native
+from engine.model.kernels import native
 
 CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 

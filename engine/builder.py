@@ -219,6 +219,7 @@ def _attach_tiers(
             num_layers=kv_shape.num_layers,
             num_kv_heads=kv_shape.num_kv_heads,
             head_dim=kv_shape.head_dim,
+            kv_groups=_groups_fingerprint(kv_shape),
         )
         disk = DiskStore(args.kv_cache_disk_dir, sizes["disk"].capacity_bytes, fingerprint)
     planner = TieredPrefixCache(host.num_blocks if host else 0, disk)
@@ -231,6 +232,16 @@ def _attach_tiers(
     core.scheduler.kv.attach_tiers(planner)
     core.tier_io = TierIO(runner.device_pool, host_pool, disk, planner.counters, runner.staging)
     core._publish()  # the first stats snapshot already lists the tiers
+
+
+def _groups_fingerprint(kv_shape: KVShape) -> str:
+    """The KV groups as the disk tier's fingerprint names them ("" for one full group)."""
+    if not kv_shape.is_hybrid:
+        return ""
+    return ";".join(
+        f"{','.join(map(str, group.layers))}:{group.window or 'full'}"
+        for group in kv_shape.kv_groups
+    )
 
 
 def _position_table_size(args: EngineArgs) -> int:

@@ -88,9 +88,12 @@ class DiskFingerprint:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # A hybrid model's KV groups (layers and window of each: a block holds one group's
+    # layers); empty for one group of every layer, so such entries read as before.
+    kv_groups: str = ""
 
     def as_dict(self) -> dict[str, object]:
-        return {
+        fields: dict[str, object] = {
             "model": self.model,
             "dtype": self.dtype,
             "kv_dtype": self.kv_dtype,
@@ -99,6 +102,9 @@ class DiskFingerprint:
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
         }
+        if self.kv_groups:
+            fields["kv_groups"] = self.kv_groups
+        return fields
 
 
 @dataclass

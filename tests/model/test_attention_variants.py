@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.native import load_native_ops
+from engine.model.kernels.native import load_native_ops
 from tests.model.attention_variants import NULL_BLOCK, PagedProblem, make_problem
 from tests.model.attention_variants import reference_attention as reference
 

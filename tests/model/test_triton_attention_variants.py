@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.model.triton_setup import DEVICE  # isort: skip  (sets TRITON_INTERPRET first)
-from engine.model.triton_attention import unified_attention
+from engine.model.kernels.triton.triton_attention import unified_attention
 from tests.model.attention_variants import PagedProblem, make_problem, reference_attention
 
 # (cached tokens before the step, new tokens): decodes first, then prefill chunks from 0,
