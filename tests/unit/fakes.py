@@ -283,6 +283,14 @@ class FakeDisk:
     def dropped_writes(self) -> int:
         return 0
 
+    @property
+    def rejected_entries(self) -> dict[str, int]:
+        return {}
+
+    @property
+    def removed_temp_files(self) -> int:
+        return 0
+
 
 class FakeTierMover:
     """Applies tier ops to a ``FakeKVRunner``'s device blocks, a host tier and a fake
