@@ -105,7 +105,7 @@ def measure_capacity(model: Path, args: argparse.Namespace, hybrid: bool) -> dic
     plan = built.plan
     return {
         "hybrid": hybrid,
-        "groups": [g.label for g in built.kv_shape.kv_groups],
+        "groups": [g.label for g in built.kv_shape.groups],
         "num_blocks": plan.num_blocks,
         "bytes_per_block": plan.bytes_per_block,
         "blocks_per_seq": plan.blocks_per_max_len_seq,

@@ -240,7 +240,7 @@ def _groups_fingerprint(kv_shape: KVShape) -> str:
         return ""
     return ";".join(
         f"{','.join(map(str, group.layers))}:{group.window or 'full'}"
-        for group in kv_shape.kv_groups
+        for group in kv_shape.groups
     )
 
 

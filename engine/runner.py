@@ -44,8 +44,8 @@ class ModelRunner:
         self.host_pool = host_pool
         self.cache = PagedKVCache(device_pool, model.dtype)
         shape = device_pool.layout.shape
-        self.num_groups = len(shape.kv_groups)
-        self.layer_groups = layer_group_indices(shape.kv_groups, shape.num_layers)
+        self.num_groups = len(shape.groups)
+        self.layer_groups = layer_group_indices(shape.groups, shape.num_layers)
         self.staging = CopyStaging(device_pool.layout, device_pool.key.device)
         self.sampler = Sampler(eos_token_ids=eos_token_ids, seed=seed)
         self.grammar = _grammar_decoding(grammars)

@@ -71,7 +71,8 @@ def resolve_kv_dtype(kv_cache_dtype: str, serving_dtype: str, requested_dtype: s
 @dataclass(frozen=True)
 class KVShape:
     """What one token costs in the cache: the model's attention shape, the KV dtype and the
-    KV groups its layers form (empty: one full-attention group of every layer)."""
+    KV groups its layers form (left empty: one full-attention group of every layer, and
+    filled in so, so that equal shapes compare equal however they were written)."""
 
     num_layers: int
     num_kv_heads: int
@@ -87,23 +88,19 @@ class KVShape:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        if self.groups:
-            check_partition(self.groups, self.num_layers)
-
-    @property
-    def kv_groups(self) -> tuple[KVGroup, ...]:
-        """The groups, one full-attention group of every layer when none were given."""
-        return self.groups or (KVGroup(tuple(range(self.num_layers))),)
+        if not self.groups:
+            object.__setattr__(self, "groups", (KVGroup(tuple(range(self.num_layers))),))
+        check_partition(self.groups, self.num_layers)
 
     @property
     def page_layers(self) -> int:
         """Layers one block (page) of the pool holds: all of them for a single group."""
-        return page_layers(self.groups) if self.groups else self.num_layers
+        return page_layers(self.groups)
 
     @property
     def is_hybrid(self) -> bool:
         """More than one group, or a sliding one: blocks are kept per group."""
-        groups = self.kv_groups
+        groups = self.groups
         return len(groups) > 1 or groups[0].window is not None
 
     @property
@@ -135,7 +132,7 @@ def payload_bytes(shape: KVShape, num_tokens: int) -> int:
     per_layer = layer_token_bytes(shape)
     return sum(
         len(group.layers) * per_layer * group.retained_tokens(num_tokens)
-        for group in shape.kv_groups
+        for group in shape.groups
     )
 
 
@@ -147,7 +144,7 @@ def group_payload_bytes(shape: KVShape, group: KVGroup, retained_tokens: int) ->
 def blocks_per_sequence(shape: KVShape, num_tokens: int, block_size: int) -> int:
     """Blocks (pages) one sequence holds at most while it grows to ``num_tokens``, summed
     over groups: ceil(t / S) per full group, at most ceil((W - 1) / S) + 1 per sliding one."""
-    return sum(group.max_blocks(num_tokens, block_size) for group in shape.kv_groups)
+    return sum(group.max_blocks(num_tokens, block_size) for group in shape.groups)
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -231,7 +228,7 @@ def plan_groups(shape: KVShape, block_size: int, max_model_len: int) -> tuple[Gr
                 shape, group, group.retained_tokens(max_model_len)
             ),
         )
-        for group in shape.kv_groups
+        for group in shape.groups
     )
 
 

@@ -278,7 +278,7 @@ def kv_shape_facts(shape: KVShape, block_size: int) -> dict[str, Any]:
         "page_layers": shape.page_layers,
         "groups": [
             {"label": group.label, "window": group.window, "num_layers": len(group.layers)}
-            for group in shape.kv_groups
+            for group in shape.groups
         ],
     }
 

@@ -62,7 +62,7 @@ def snapshot(
     retained = queues.retained_tokens or (queues.live_tokens,) * kv.num_groups
     payloads = [
         group_payload_bytes(shape, group, tokens)
-        for group, tokens in zip(shape.kv_groups, retained, strict=True)
+        for group, tokens in zip(shape.groups, retained, strict=True)
     ]
     return EngineStats(
         device_blocks=pool_stats(kv.device),
@@ -107,5 +107,5 @@ def group_stats(kv: KVCacheManager, shape: KVShape, payloads: list[int]) -> tupl
             payload_bytes=payloads[index],
             allocated_bytes=pool.used_by_group[index] * per_block,
         )
-        for index, group in enumerate(shape.kv_groups)
+        for index, group in enumerate(shape.groups)
     )

@@ -233,7 +233,7 @@ class PagedKVCache:
         self.block_size = pool.layout.block_size
         self.quant_max = _QUANT_MAX.get(kv.kv_dtype)
         # Layer -> its slot in a page (the layer itself for a model of one group).
-        self.slots = layer_slots(kv.kv_groups, kv.num_layers)
+        self.slots = layer_slots(kv.groups, kv.num_layers)
 
     @property
     def is_quantized(self) -> bool:
