@@ -70,6 +70,36 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self.size += 1
 
+    def popleft_many(self, count: int) -> list[KVBlock]:
+        """Unlink the first ``count`` blocks (``count <= size``) in one pass."""
+        taken = []
+        node = self._head.next_free
+        for _ in range(count):
+            assert node is not None and node is not self._tail, "free queue is empty"
+            taken.append(node)
+            node = node.next_free
+        assert node is not None
+        self._head.next_free = node
+        node.prev_free = self._head
+        for block in taken:
+            block.prev_free = block.next_free = None
+        self.size -= count
+        return taken
+
+    def extend(self, blocks: list[KVBlock]) -> None:
+        """Append ``blocks`` at the tail, in order, relinking the tail once."""
+        if not blocks:
+            return
+        last = self._tail.prev_free
+        assert last is not None
+        for block in blocks:
+            block.prev_free = last
+            last.next_free = block
+            last = block
+        last.next_free = self._tail
+        self._tail.prev_free = last
+        self.size += len(blocks)
+
     def popleft(self) -> KVBlock:
         block = self._head.next_free
         assert block is not None and block is not self._tail, "free queue is empty"
@@ -145,14 +175,30 @@ class BlockPool:
         if count > self.free_queue.size:
             raise ValueError(f"cannot allocate {count} blocks: only {self.free_queue.size} free")
         ids = []
-        for _ in range(count):
-            block = self.free_queue.popleft()
+        for block in self.free_queue.popleft_many(count):
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_count = 1
             block.group = group
             ids.append(block.block_id)
         self.used_by_group[group] += count
+        return ids
+
+    def allocate_per_group(self, count: int, num_groups: int) -> list[int]:
+        """``count`` blocks for each of groups 0..num_groups-1 in one pass: group 0's
+        first, then group 1's, and so on."""
+        if count * num_groups > self.free_queue.size:
+            raise ValueError(f"cannot allocate {count * num_groups} blocks")
+        ids = []
+        taken = self.free_queue.popleft_many(count * num_groups)
+        for index, block in enumerate(taken):
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_count = 1
+            block.group = index // count
+            ids.append(block.block_id)
+        for group in range(num_groups):
+            self.used_by_group[group] += count
         return ids
 
     def touch(self, block_ids: Iterable[int]) -> None:
@@ -177,18 +223,20 @@ class BlockPool:
         callers pass a table tail-first: the shared head of a prefix is evicted last.
         """
         blocks = self.blocks
+        released = []
         for block_id in block_ids:
             block = blocks[block_id]
             assert block.ref_count > 0, f"double free of {block}"
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_queue.append(block)
+                released.append(block)
                 self.used_by_group[block.group] -= 1
                 if block.block_hash is not None:
                     self.num_cached_free += 1
                     self.cached_by_group[block.group] += 1
             else:
                 self.num_shared_refs -= 1
+        self.free_queue.extend(released)
 
     # -- prefix cache ----------------------------------------------------------------------
 

@@ -346,6 +346,8 @@ class KVCacheManager:
                 self._release_outside_window(rid, tables, computed)
             if self._fits_in_own_block(tables, computed, num_new_tokens):
                 return []
+            if computed % self.block_size == 0 and computed // self.block_size >= len(tables[0]):
+                return self._append_blocks(tables, computed + num_new_tokens, reserve)
         hit_blocks = hit.num_blocks if hit is not None else 0
         start = request.num_computed_tokens + hit_blocks * self.block_size
         needed = blocks_for_tokens(start + num_new_tokens, self.block_size)
@@ -406,6 +408,18 @@ class KVCacheManager:
                 new_ids.extend(fresh)
         return new_ids
 
+    def _append_blocks(self, tables: Tables, end: int, reserve: int) -> list[int] | None:
+        """The next fast path: the new tokens start a fresh block, so nothing is shared or
+        copied; every group (all one length) gets the same number of fresh blocks, taken
+        in one pass over the pool."""
+        missing = blocks_for_tokens(end, self.block_size) - len(tables[0])
+        if missing * self.num_groups > self.device.num_free - reserve:
+            return None
+        fresh = self.device.allocate_per_group(missing, self.num_groups)
+        for group, table in enumerate(tables):
+            table += fresh[group * missing : (group + 1) * missing]
+        return fresh
+
     def _fill_loads(self, tables: Tables, loads: Sequence[tuple[int, int, TierHit]]) -> list[int]:
         """Fresh device blocks in the table slots a tier load will fill."""
         new_ids = []
@@ -441,6 +455,7 @@ class KVCacheManager:
         """Free, in every sliding group, the blocks wholly before the window of a query at
         ``start`` (tail of the free queue, oldest first: cached ones stay revivable)."""
         released = list(self._released[rid])
+        dropped: list[int] = []
         for slot, kind in enumerate(self._sliding):
             first = kind.first_needed_block(start, self.block_size)
             done = released[slot]
@@ -449,10 +464,10 @@ class KVCacheManager:
             nulls = [NULL_BLOCK] * (first - done)
             for group in kind.groups:  # entries from ``done`` on hold blocks (no NULL)
                 table = tables[group]
-                dropped = table[done:first]
+                dropped += table[done:first]
                 table[done:first] = nulls
-                self.device.free(dropped)
             released[slot] = first
+        self.device.free(dropped)
         self._set_released(rid, released)
 
     def _copy_on_write(
