@@ -99,7 +99,7 @@ def never_build_metadata(monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("the CUDA runner built metadata with blocking copies")
 
-    monkeypatch.setattr(engine.runner, "build_metadata", refuse)
+    monkeypatch.setattr(engine.runner, "build_grouped_metadata", refuse)
 
 
 SHARED = [5, 9, 17, 33, 5, 9, 17, 33]
