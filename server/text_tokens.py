@@ -10,8 +10,9 @@ single ``Tokenizer.encode`` holds the GIL for the whole encode (3.4 s).
 ``encode_text`` asks the Rust tokenizer for one encoding through ``encode_batch_fast``,
 which releases the GIL while it works (and skips the character offsets nobody reads
 here), then reads the ids in slices of ``IDS_PER_SLICE`` (``Encoding.truncate`` moves the
-rest into ``overflowing``): splitting 870,000 ids holds the GIL ~13 ms, each slice under
-1 ms, where one ``.ids`` held it ~66 ms. The ids are those
+rest into ``overflowing``): splitting 870,000 ids holds the GIL ~13 ms, each slice of
+1,024 ~0.1 ms, where one ``.ids`` held it ~66 ms (an engine step waits for the slice in
+hand each time it takes the GIL back, server/request_cpu.py). The ids are those
 of ``tokenizer.encode``: the same Rust call transformers makes, under the same settings
 -- where the tokenizer's settings differ from that call's (truncation or padding left
 configured, special-token splitting on), or there is no Rust tokenizer, it is
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-IDS_PER_SLICE = 8192
+IDS_PER_SLICE = 1024
 
 
 def encode_text(tokenizer: Any, text: str, *, add_special_tokens: bool) -> list[int]:
