@@ -15,6 +15,9 @@ must not grow with the queue.
 Gemma-3-shaped 6-layer stack of 5 sliding-window layers per full one, so every request
 holds 6 block tables (5 sliding groups in lock step and the full one). The prompts are
 several windows long, so the sliding groups release blocks as the requests decode.
+``--against-single`` runs that hybrid stack and the single-group model in alternation,
+``--repeats`` rounds each, and prints the ratio of their medians (the hybrid cache's
+cost to the scheduler, measured side by side).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def build_scheduler(args: argparse.Namespace, waiting: int = 0) -> Scheduler:
     )
     shape = kv_shape(args)
     cache = CacheConfig(
-        num_device_blocks=cache.num_device_blocks * len(shape.kv_groups),
+        num_device_blocks=cache.num_device_blocks * len(shape.groups),
         block_size=cache.block_size,
         enable_prefix_caching=cache.enable_prefix_caching,
     )
@@ -132,8 +135,16 @@ def main() -> None:
         action="store_true",
         help="time with the process CPU clock (robust when other jobs share the cores)",
     )
+    parser.add_argument(
+        "--against-single",
+        action="store_true",
+        help="with --sliding-window: alternate the hybrid stack and one full group",
+    )
     args = parser.parse_args()
     clock = time.process_time if args.cpu_time else time.perf_counter
+    if args.against_single:
+        report_against_single(args, clock)
+        return
     if args.waiting:
         report_queue_lengths(args, clock, [int(n) for n in args.waiting.split(",")])
         return
@@ -145,7 +156,7 @@ def main() -> None:
         p99s.append(samples[int(0.99 * (len(samples) - 1))])
         means.append(statistics.fmean(samples))
     caching = "off" if args.no_prefix_caching else "on"
-    groups = kv_shape(args).kv_groups
+    groups = kv_shape(args).groups
     print(
         f"groups={len(groups)} ({', '.join(g.label for g in groups)}) "
         f"requests={args.requests} block_size={args.block_size} prefix_caching={caching} "
@@ -175,6 +186,32 @@ def report_queue_lengths(
     for n in lengths:
         runs = ", ".join(f"{m * 1e6:.0f}" for m in medians[n])
         print(f"waiting={n:5d}: median step {min(medians[n]) * 1e6:.0f} us (runs: {runs} us)")
+
+
+def report_against_single(args: argparse.Namespace, clock: Callable[[], float]) -> None:
+    """Interleaved rounds of the hybrid stack and the single-group model: each round's
+    median step, then the ratio of the medians and of the fastest rounds."""
+    if not args.sliding_window:
+        raise SystemExit("--against-single compares a hybrid stack: give --sliding-window")
+    single_args = argparse.Namespace(**{**vars(args), "sliding_window": 0})
+    rounds: dict[str, list[float]] = {"single": [], "hybrid": []}
+    for _ in range(args.repeats):
+        rounds["single"].append(statistics.median(measure(single_args, clock)))
+        rounds["hybrid"].append(statistics.median(measure(args, clock)))
+    groups = kv_shape(args).groups
+    print(
+        f"hybrid: {len(groups)} groups ({args.pattern} layers, window {args.sliding_window}); "
+        f"requests={args.requests} prompt_len={args.prompt_len} steps={args.steps} "
+        f"rounds={args.repeats} clock={'process_time' if args.cpu_time else 'perf_counter'}"
+    )
+    for name, medians in rounds.items():
+        runs = ", ".join(f"{m * 1e6:.0f}" for m in medians)
+        print(f"{name:>6}: median of rounds {statistics.median(medians) * 1e6:.0f} us ({runs})")
+    single, hybrid = rounds["single"], rounds["hybrid"]
+    print(
+        f"hybrid / single: {statistics.median(hybrid) / statistics.median(single):.3f} "
+        f"(medians), {min(hybrid) / min(single):.3f} (fastest rounds)"
+    )
 
 
 if __name__ == "__main__":
