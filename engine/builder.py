@@ -239,8 +239,7 @@ def _groups_fingerprint(kv_shape: KVShape) -> str:
     if not kv_shape.is_hybrid:
         return ""
     return ";".join(
-        f"{','.join(map(str, group.layers))}:{group.window or 'full'}"
-        for group in kv_shape.groups
+        f"{','.join(map(str, group.layers))}:{group.window or 'full'}" for group in kv_shape.groups
     )
 
 

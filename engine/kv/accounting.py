@@ -131,8 +131,7 @@ def payload_bytes(shape: KVShape, num_tokens: int) -> int:
     scales), where a sliding group counts only the tokens its window still reads."""
     per_layer = layer_token_bytes(shape)
     return sum(
-        len(group.layers) * per_layer * group.retained_tokens(num_tokens)
-        for group in shape.groups
+        len(group.layers) * per_layer * group.retained_tokens(num_tokens) for group in shape.groups
     )
 
 
