@@ -127,7 +127,13 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     # Before the slow load (a failed native build is only known once kernels are chosen).
     check_quantization(args.quantization, device, "torch" if args.kernels == "torch" else "native")
     tokenizer = load_tokenizer(source)
-    model = load_model(source, dtype, device, max_positions=_position_table_size(args))
+    model = load_model(
+        source,
+        dtype,
+        device,
+        max_positions=_position_table_size(args),
+        context_len=args.max_model_len or DEFAULT_MAX_MODEL_LEN,
+    )
     kernels = select_kernels(args.kernels, device, dtype)
     rowwise = kernels.name == "native"  # the few-row int8 kernel is one of the native ops
     quantized = quantize_weights(model.weights, args.quantization, rowwise, kernels.name)

@@ -86,13 +86,19 @@ def load_hf_config(source: ModelSource) -> Any:
 
 
 def load_model(
-    source: ModelSource, dtype: torch.dtype, device: torch.device, max_positions: int
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    context_len: int | None = None,
 ) -> DecoderModel:
-    """Load weights through transformers, repack them, and build the paged decoder."""
+    """Load weights through transformers, repack them, and build the paged decoder with
+    RoPE tables of ``max_positions`` positions for a server of ``context_len`` tokens
+    (layers/rotary.py: LongRoPE's factors depend on it)."""
     config = load_hf_config(source)
     spec_from_hf_config(config)  # refuse an unsupported model before reading its weights
     state = _load_state_dict(source, config, dtype)
-    return build_model(config, state, dtype, device, max_positions)
+    return build_model(config, state, dtype, device, max_positions, context_len)
 
 
 def _load_state_dict(source: ModelSource, config: Any, dtype: torch.dtype) -> dict[str, Any]:
@@ -120,19 +126,23 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    context_len: int | None = None,
 ) -> DecoderModel:
     """The decoder for ``config`` from its HF-named tensors ``state``."""
     spec = spec_from_hf_config(config)
     family = cast(Family, load_family(config))
     weights = family.load_weights(config, spec, TensorReader(state, dtype, device))
-    ropes = rotary_tables(text_config(config), spec, max_positions, dtype, device)
+    served = min(context_len or max_positions, spec.max_position_embeddings)
+    ropes = rotary_tables(text_config(config), spec, max_positions, dtype, device, served)
     return DecoderModel(spec, weights, ropes, options=family.decoder_options(config, dtype))
 
 
-def model_from_reference(reference: Any, max_positions: int | None = None) -> DecoderModel:
+def model_from_reference(
+    reference: Any, max_positions: int | None = None, context_len: int | None = None
+) -> DecoderModel:
     """Wrap an in-memory transformers model (tests, benchmarks) without touching disk."""
     param = next(reference.parameters())
     positions = max_positions or spec_from_hf_config(reference.config).max_position_embeddings
     return build_model(
-        reference.config, reference.state_dict(), param.dtype, param.device, positions
+        reference.config, reference.state_dict(), param.dtype, param.device, positions, context_len
     )

@@ -86,6 +86,13 @@ def qwen3_gguf() -> Any:
     return Qwen3ForCausalLM(Qwen3Config(**base(head_dim=128)))
 
 
+def phi3_gguf() -> Any:
+    """Plain RoPE: transformers reads no LongRoPE factors or partial rotary from a GGUF."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    return Phi3ForCausalLM(Phi3Config(**base(), pad_token_id=0))
+
+
 def gemma2_gguf() -> Any:
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
@@ -106,6 +113,7 @@ GGUF_FAMILIES: dict[str, Callable[[], Any]] = {
     "llama": llama_gguf,
     "qwen2": qwen2_gguf,
     "qwen3": qwen3_gguf,
+    "phi3": phi3_gguf,
     "gemma2": gemma2_gguf,
     "gemma3": gemma3_gguf,
 }
@@ -128,6 +136,8 @@ def write_gguf(reference: Any, architecture: str, path: Path) -> None:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     writer.add_rope_freq_base(_rope_theta(config))
+    if config.pad_token_id is not None:  # else the class default, maybe past a tiny vocabulary
+        writer.add_pad_token_id(config.pad_token_id)
     if architecture.startswith("gemma"):
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)

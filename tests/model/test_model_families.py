@@ -28,10 +28,12 @@ from tests.model.family_models import (
     gemma3_text,
     llama,
     mistral,
+    phi3,
     qwen2,
     random_reference,
     serve_greedy,
 )
+from tests.model.paged import BlockTables, make_cache, run_step
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -98,3 +100,29 @@ def test_llama3_rope_scaling_matches_transformers() -> None:
     with torch.no_grad():
         expected = reference(torch.tensor([fed])).logits[0]
     torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("context_len", [64, 512])
+def test_longrope_takes_the_factors_of_the_served_context(context_len: int) -> None:
+    """Phi-3's LongRoPE: a server of at most the original 64 tokens rotates with the short
+    factors, a longer one with the long factors; each equals transformers on a sequence of
+    that regime (which re-rotates everything with the long factors past 64 tokens)."""
+    reference = random_reference(phi3)
+    model = model_from_reference(reference, context_len=context_len)
+    length = 60 if context_len == 64 else 120
+    fed = [(5 * i + 1) % 250 for i in range(length)]
+    cache = make_cache(model, num_blocks=32, block_size=8)
+    blocks = [BlockTables(32).allocate(length, 8)]
+    ours = torch.cat(
+        [
+            run_step(model, cache, [fed[:37]], [0], blocks),
+            *(run_step(model, cache, [[t]], [37 + i], blocks) for i, t in enumerate(fed[37:])),
+        ]
+    )
+    with torch.no_grad():
+        expected = reference(torch.tensor([fed])).logits[0]
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+    other = model_from_reference(reference, context_len=576 - context_len)  # the other regime
+    cache = make_cache(other, num_blocks=32, block_size=8)
+    theirs = run_step(other, cache, [fed], [0], blocks)
+    assert (theirs - expected).abs().max() > 1e-2  # the factors matter here

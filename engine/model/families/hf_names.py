@@ -116,3 +116,9 @@ def plain_norm(tensors: TensorReader, name: str) -> torch.Tensor:
 def offset_norm(tensors: TensorReader, name: str) -> torch.Tensor:
     """A Gemma-style norm weight ``w``, stored as ``1 + w`` in float32 (layers/norms.py)."""
     return tensors.place(offset_norm_weight(tensors.raw(name)))
+
+
+def float32_norm(tensors: TensorReader, name: str) -> torch.Tensor:
+    """A norm weight multiplied before rounding to the model dtype (OLMo 2, gpt-oss): kept
+    in float32, which tells the kernels to (layers/norms.py)."""
+    return tensors.place(tensors.raw(name).to(torch.float32))

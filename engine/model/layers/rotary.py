@@ -6,6 +6,13 @@ exactly. A ``partial_rotary_factor`` below 1 gives tables narrower than a head: 
 head's leading ``factor * head_dim`` channels rotate. transformers 5 may key
 ``rope_parameters`` by layer type (Gemma 3: a local and a global base); each key is then
 a table of its own.
+
+LongRoPE (Phi-3) has two sets of per-frequency factors: short ones for sequences up to
+``original_max_position_embeddings`` and long ones beyond. transformers re-rotates the
+whole cache when a sequence crosses that length; a paged cache cannot, so kvserve picks
+one set per server from the context it serves (``context_len``: long factors when it
+exceeds the original length, as llama.cpp does from its context size). Either way a
+sequence gets exactly what transformers computes for it at that context length.
 """
 
 from __future__ import annotations
@@ -37,20 +44,28 @@ class RotaryEmbedding:
 
 
 def rotary_tables(
-    config: Any, spec: ModelSpec, max_positions: int, dtype: torch.dtype, device: torch.device
+    config: Any,
+    spec: ModelSpec,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    context_len: int | None = None,
 ) -> dict[str, RotaryEmbedding]:
-    """One table per RoPE name the model's layers use."""
+    """One table per RoPE name the model's layers use, for a server of ``context_len``
+    tokens (``max_positions``, the table's length, when not given)."""
     tables = {}
+    served = max_positions if context_len is None else context_len
     for name in dict.fromkeys(layer.rope for layer in spec.layers):
-        inv_freq, scaling = rope_inverse_frequencies(config, spec.head_dim, name)
+        inv_freq, scaling = rope_inverse_frequencies(config, spec.head_dim, name, served)
         tables[name] = RotaryEmbedding(inv_freq, scaling, max_positions, dtype, device)
     return tables
 
 
 def rope_inverse_frequencies(
-    config: Any, head_dim: int, name: str = DEFAULT_ROPE
+    config: Any, head_dim: int, name: str = DEFAULT_ROPE, context_len: int | None = None
 ) -> tuple[torch.Tensor, float]:
-    """RoPE inverse frequencies and the attention scaling factor of table ``name``."""
+    """RoPE inverse frequencies and the attention scaling factor of table ``name``
+    (LongRoPE's factors for sequences of ``context_len`` tokens; short ones without it)."""
     layer_type = None if name == DEFAULT_ROPE else name
     params = _rope_parameters(config, layer_type)
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -65,7 +80,9 @@ def rope_inverse_frequencies(
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported RoPE type {rope_type!r}")
-    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    kwargs: dict[str, Any] = {} if layer_type is None else {"layer_type": layer_type}
+    if rope_type == "longrope" and context_len is not None:
+        kwargs["seq_len"] = context_len
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
     return inv_freq.to(torch.float32), float(scaling)
 
