@@ -64,6 +64,98 @@ def qwen3() -> Any:
     return Qwen3ForCausalLM(Qwen3Config(**base(head_dim=32)))
 
 
+def phi3() -> Any:
+    """Fused QKV and gate-up in the checkpoint, LongRoPE (short and long factors around a
+    64-token original context) over a 0.75 partial rotary, as Phi-4 mini has."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    rotary_half = int(16 * 0.75) // 2  # head_dim 16, 3/4 of it rotates
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.75,
+        "short_factor": [1.0 + 0.1 * i for i in range(rotary_half)],
+        "long_factor": [1.5 + 0.5 * i for i in range(rotary_half)],
+        "original_max_position_embeddings": 64,
+    }
+    config = Phi3Config(
+        **base(num_attention_heads=4, num_key_value_heads=2),
+        rope_parameters=rope,
+        original_max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    return Phi3ForCausalLM(config)
+
+
+def olmo2() -> Any:
+    """Norms after each sublayer, QK-norm over all heads."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    return Olmo2ForCausalLM(Olmo2Config(**base(), pad_token_id=0))
+
+
+def granite() -> Any:
+    """Embedding, residual and attention multipliers, logits divided by a scale."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    config = GraniteConfig(
+        **base(),
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.0078125,
+        logits_scaling=8.0,
+    )
+    return GraniteForCausalLM(config)
+
+
+def mixtral() -> Any:
+    """Four experts, two per token, renormalised."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(**base(intermediate_size=64), num_local_experts=4, num_experts_per_tok=2)
+    return MixtralForCausalLM(config)
+
+
+def qwen3_moe() -> Any:
+    """Eight experts, two per token, not renormalised; QK-norm; layer 0 dense
+    (``mlp_only_layers``)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        **base(num_hidden_layers=3, head_dim=32),
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=False,
+        mlp_only_layers=[0],
+    )
+    return Qwen3MoeForCausalLM(config)
+
+
+def gpt_oss() -> Any:
+    """Alternating sliding and full layers with sinks and biases, YaRN RoPE, four experts
+    (two per token) with the clamped SwiGLU and biases."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 8.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "original_max_position_embeddings": 64,
+        "truncate": False,
+    }
+    config = GptOssConfig(
+        **base(num_hidden_layers=4, head_dim=16, intermediate_size=32, sliding_window=WINDOW),
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rope_parameters=rope,
+    )
+    return GptOssForCausalLM(config)
+
+
 def gemma2() -> Any:
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
@@ -122,6 +214,12 @@ FAMILIES: dict[str, tuple[Callable[[], Any], int]] = {
     "mistral": (mistral, 4),
     "qwen2": (qwen2, 8),
     "qwen3": (qwen3, 16),
+    "phi3": (phi3, 8),
+    "olmo2": (olmo2, 4),
+    "granite": (granite, 16),
+    "mixtral": (mixtral, 4),
+    "qwen3_moe": (qwen3_moe, 8),
+    "gpt_oss": (gpt_oss, 4),
     "gemma2": (gemma2, 8),
     "gemma3_text": (gemma3_text, 4),
     "gemma3": (gemma3_multimodal, 16),

@@ -1,12 +1,13 @@
 """Sliding-window and hybrid models through the real engine, exact past their window.
 
-Mistral (every layer slides), Gemma 2 (alternating) and Gemma 3 (five local to one
-global) run through the real scheduler with their KV groups (ModelSpec.kv_shape): sliding
-groups release the blocks before their window, prefix hits take only the window, and
-blocks move by copy-on-write, swap and recompute. Greedy tokens must equal transformers'
-over prompts several windows long, for the torch and native kernels, on every path that
-moves or drops a block: chunked prefill, prefix hits, recompute and swap preemption,
-speculative decoding, and (through build_engine) the host and disk tiers.
+Mistral (every layer slides), Gemma 2 and gpt-oss (alternating; gpt-oss with sinks and
+experts) and Gemma 3 (five local to one global) run through the real scheduler with
+their KV groups (ModelSpec.kv_shape): sliding groups release the blocks before their
+window, prefix hits take only the window, and blocks move by copy-on-write, swap and
+recompute. Greedy tokens must equal transformers' over prompts several windows long, for
+the torch and native kernels, on every path that moves or drops a block: chunked
+prefill, prefix hits, recompute and swap preemption, speculative decoding, and (through
+build_engine) the host and disk tiers.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from engine.request import Request
 from tests.model.engine_helpers import greedy, make_core, reference_greedy, run_all
 from tests.model.family_models import FAMILIES, WINDOW, random_reference
 
-HYBRID = ("mistral", "gemma2", "gemma3_text")
+HYBRID = ("mistral", "gemma2", "gemma3_text", "gpt_oss")
 SHARED = [(5 * i + 2) % 240 + 3 for i in range(40)]  # a head several windows long
 PROMPTS = {
     "a": [*SHARED, 7, 8, 9, 10, 11],
@@ -57,7 +58,7 @@ SCENARIOS: dict[str, tuple[CacheConfig, SchedulerConfig]] = {
 }
 # Pools (16-token prompt chunks) that admit "b" and "c" together but not their growth:
 # the sliding groups' share is bounded by the window, the full group's is not.
-TIGHT_POOL = {"mistral": 12, "gemma2": 40, "gemma3_text": 80}
+TIGHT_POOL = {"mistral": 12, "gemma2": 40, "gemma3_text": 80, "gpt_oss": 40}
 
 
 @pytest.fixture(scope="module", params=HYBRID)

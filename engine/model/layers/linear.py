@@ -457,10 +457,14 @@ def linear_layers(weights: Any) -> list[Linear]:
 def parameter_bytes(weights: Any, decode: bool = False) -> int:
     """Bytes of every tensor and linear layer ``weights`` holds (walked as ``map_linears``
     walks), or with ``decode`` the bytes a one-row call reads (``Linear.decode_nbytes``).
-    Any other object with ``nbytes`` and ``decode_nbytes`` (say an MoE block whose decode
-    step reads only some experts) is asked rather than walked."""
+    With ``decode``, an object with ``active_decode_bytes()`` (an MoE block, whose
+    one-token step reads only its chosen experts) is asked rather than walked; so is, in
+    either case, any other object with ``nbytes`` and ``decode_nbytes``."""
     if isinstance(weights, torch.Tensor):
         return _tensor_bytes(weights)
+    active = getattr(weights, "active_decode_bytes", None) if decode else None
+    if active is not None:
+        return int(active())
     if dataclasses.is_dataclass(weights) and not isinstance(weights, type):
         fields = dataclasses.fields(weights)
         return sum(parameter_bytes(getattr(weights, f.name), decode) for f in fields)

@@ -1,6 +1,7 @@
 """The feed-forward sublayer: a gated MLP, ``down(act(gate(x)) * up(x))``, with the gate
 and up projections fused into one matrix at load. Families whose feed-forward is something
-else (mixture-of-experts) provide another ``MLP``; the decoder only calls it."""
+else provide another ``MLP`` (a mixture of experts: layers/moe.py); the decoder only
+calls it."""
 
 from __future__ import annotations
 
@@ -31,17 +32,35 @@ class MLP(Protocol):
     def __call__(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor: ...
 
 
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's activation: the gate clamped above at ``limit``, the up part to
+    ``[-limit, limit]``, then ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, fused: torch.Tensor) -> torch.Tensor:
+        gate, up = fused.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 @dataclass
 class GatedMLP:
     gate_up: Linear  # [2 * intermediate, hidden]: the gate rows, then the up rows
     down: Linear  # [hidden, intermediate]
-    activation: str = SILU
+    activation: str | ClampedSwiGLU = SILU
 
     def __call__(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         fused = self.gate_up(x)
         if self.activation == SILU:
             return self.down(kernels.silu_and_mul(fused))
-        return self.down(kernels.gelu_tanh_and_mul(fused))
+        if self.activation == GELU_TANH:
+            return self.down(kernels.gelu_tanh_and_mul(fused))
+        assert isinstance(self.activation, ClampedSwiGLU)
+        return self.down(self.activation(fused))
 
 
 def activation_from_config(config: Any) -> str:

@@ -1,0 +1,120 @@
+"""The mixture-of-experts layer (engine/model/layers/moe.py) against transformers' own
+router and expert blocks, per token and per layer, for Mixtral, Qwen3-MoE and gpt-oss;
+and the way it works: one call per expert a step, however many tokens chose it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from engine.model.kernels.base import TorchKernels
+from engine.model.layers.linear import parameter_bytes
+from engine.model.layers.moe import SOFTMAX_TOPK, TOPK_SOFTMAX, MoEMLP, Routing, route
+from engine.model.loader import model_from_reference
+from tests.model.family_models import FAMILIES, random_reference
+
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
+
+
+def sparse_layers(reference: Any) -> list[tuple[int, Any]]:
+    """(layer index, transformers' MoE block) for every layer that has experts."""
+    blocks = []
+    for index, layer in enumerate(reference.model.layers):
+        if hasattr(layer.mlp, "experts"):
+            blocks.append((index, layer.mlp))
+    return blocks
+
+
+def reference_router(block: Any, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' (weights, ids) for ``hidden`` [tokens, hidden_size]."""
+    router = block.router if hasattr(block, "router") else block.gate
+    _, weights, ids = router(hidden)
+    return weights, ids
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_every_token_picks_the_experts_transformers_picks(family: str) -> None:
+    reference = random_reference(FAMILIES[family][0])
+    model = model_from_reference(reference)
+    torch.manual_seed(1)
+    hidden = torch.randn(64, reference.config.hidden_size) * 3
+    layers = sparse_layers(reference)
+    assert layers, "the family has expert layers"
+    for index, block in layers:
+        ours = model.weights.layers[index].mlp
+        assert isinstance(ours, MoEMLP)
+        expected_weights, expected_ids = reference_router(block, hidden)
+        logits = torch.nn.functional.linear(hidden, ours.router_weight, ours.router_bias)
+        weights, ids = route(logits, ours.routing)
+        assert torch.equal(ids, expected_ids)
+        torch.testing.assert_close(weights, expected_weights.float(), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_each_expert_layer_equals_transformers_block(family: str) -> None:
+    reference = random_reference(FAMILIES[family][0])
+    model = model_from_reference(reference)
+    torch.manual_seed(2)
+    hidden = torch.randn(40, reference.config.hidden_size)
+    for index, block in sparse_layers(reference):
+        with torch.no_grad():
+            out = block(hidden[None])
+        expected = (out[0] if isinstance(out, tuple) else out)[0]  # gpt-oss adds its scores
+        actual = model.weights.layers[index].mlp(hidden, TorchKernels())
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_step_calls_each_chosen_expert_once_over_all_its_tokens() -> None:
+    """Grouped by expert: 48 tokens choosing 2 of 4 experts make 4 expert calls, each on
+    every token that chose it, not 96 calls of one token."""
+    reference = random_reference(FAMILIES["mixtral"][0])
+    moe = model_from_reference(reference).weights.layers[0].mlp
+    assert isinstance(moe, MoEMLP)
+    calls: list[tuple[int, int]] = []
+    for number, expert in enumerate(moe.experts):
+        original = expert.gate_up
+
+        def spy(x: torch.Tensor, number: int = number, original: Any = original) -> torch.Tensor:
+            calls.append((number, x.shape[0]))
+            return original(x)
+
+        expert.gate_up = spy  # type: ignore[method-assign]
+    hidden = torch.randn(48, reference.config.hidden_size) * 3
+    logits = torch.nn.functional.linear(hidden, moe.router_weight)
+    _, ids = route(logits, moe.routing)
+    moe(hidden, TorchKernels())
+    chosen = torch.bincount(ids.flatten(), minlength=len(moe.experts)).tolist()
+    assert calls == [(e, n) for e, n in enumerate(chosen) if n]
+    assert sum(n for _, n in calls) == 48 * 2
+
+
+def test_routing_rules() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    weights, ids = route(logits, Routing(top_k=2, rule=SOFTMAX_TOPK, renormalize=False))
+    probs = torch.softmax(logits, -1)[0]
+    assert ids.tolist() == [[1, 2]]
+    torch.testing.assert_close(weights[0], probs[[1, 2]])
+    weights, _ = route(logits, Routing(top_k=2, rule=SOFTMAX_TOPK, renormalize=True))
+    torch.testing.assert_close(weights.sum(), torch.tensor(1.0))
+    weights, ids = route(logits, Routing(top_k=2, rule=TOPK_SOFTMAX))
+    torch.testing.assert_close(weights[0], torch.softmax(torch.tensor([3.0, 2.0]), -1))
+    with pytest.raises(ValueError, match="routing rule"):
+        Routing(top_k=1, rule="argmax")
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_decode_step_counts_only_the_experts_it_reads(family: str) -> None:
+    """The decode floor's bytes: every dense part, and per expert layer the router and
+    ``top_k`` experts; the stored bytes count every expert."""
+    model = model_from_reference(random_reference(FAMILIES[family][0]))
+    for layer in model.weights.layers:
+        moe = layer.mlp
+        if not isinstance(moe, MoEMLP):
+            continue
+        one_expert = parameter_bytes(moe.experts[0])
+        router = parameter_bytes([moe.router_weight, moe.router_bias])
+        assert parameter_bytes(moe) == router + one_expert * len(moe.experts)
+        assert parameter_bytes(moe, decode=True) == router + one_expert * moe.routing.top_k
+    assert model.weights.decode_nbytes < model.weights.nbytes
