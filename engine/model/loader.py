@@ -109,15 +109,71 @@ def _load_state_dict(source: ModelSource, config: Any, dtype: torch.dtype) -> di
     if source.gguf_file is not None:
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+        check_gguf_readable(source.directory / source.gguf_file, config)
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
         path = str(source.directory / source.gguf_file)
         loaded = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)
         return {name: torch.as_tensor(t) for name, t in loaded["tensors"].items()}
     reference = AutoModelForCausalLM.from_pretrained(
-        source.directory, dtype=dtype, **source.load_kwargs()
+        source.directory, dtype=dtype, **source.load_kwargs(), **_dequantizing(config)
     )
     return dict(reference.state_dict())
+
+
+def _dequantizing(config: Any) -> dict[str, Any]:
+    """from_pretrained's arguments for a checkpoint stored quantized: MXFP4 (gpt-oss's
+    released experts) is dequantized to the serving dtype as it loads, on any machine
+    (transformers would otherwise reach for GPU kernels where it finds them)."""
+    quantization = getattr(config, "quantization_config", None) or {}
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method is None:
+        method = getattr(quantization, "quant_method", None)
+    if str(method) in ("mxfp4", "QuantizationMethod.MXFP4"):
+        from transformers import Mxfp4Config
+
+        return {"quantization_config": Mxfp4Config(dequantize=True)}
+    if method is not None:
+        raise ValueError(
+            f"checkpoints quantized with {method!r} are not served; kvserve loads bf16, fp16 "
+            "or fp32 weights (and MXFP4 experts) and quantizes with --quantization int8|int4"
+        )
+    return {}
+
+
+# Experts transformers' GGUF reader cannot hand over as the model it builds holds them.
+_GGUF_EXPERTS_UNREAD = {
+    "gpt_oss": "transformers' GGUF reader names gpt-oss experts one by one, not as the "
+    "stacked tensors its model holds",
+}
+
+
+def check_gguf_readable(path: Path, config: Any) -> None:
+    """Refuse a GGUF whose experts transformers' reader would drop or misplace, rather than
+    serve a model without them: an MoE written under a dense architecture (llama.cpp
+    writes Mixtral as ``llama``, which transformers reads as a Llama without experts) and
+    gpt-oss. ValueError naming the way out."""
+    from gguf import GGUFReader
+
+    model_type = str(config.model_type)
+    reason = _GGUF_EXPERTS_UNREAD.get(model_type)
+    if reason is None:
+        reader = GGUFReader(str(path))
+        architecture = reader.fields["general.architecture"].contents()
+        field = reader.fields.get(f"{architecture}.expert_count")
+        experts = int(field.contents()) if field is not None else 0
+        if experts and getattr(config, "num_experts", None) is None and not hasattr(
+            config, "num_local_experts"
+        ):
+            reason = (
+                f"it holds {experts} experts per layer under the '{architecture}' "
+                f"architecture, which transformers reads as a dense {model_type} model"
+            )
+    if reason is not None:
+        raise ValueError(
+            f"cannot serve {path.name}: {reason}; serve the model's Hugging Face directory "
+            "instead (kvserve serve --model DIR)"
+        )
 
 
 def build_model(

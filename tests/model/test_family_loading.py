@@ -6,9 +6,11 @@ The GGUFs are written here with the gguf package, in float32, as llama.cpp's con
 lays them out (Llama's Q/K rows permuted for its rotary, Gemma's norms stored as 1 + w).
 transformers' GGUF reader takes the config from the file's metadata and class defaults, so
 the references use the defaults for what the metadata does not carry (Gemma's soft-caps,
-query_pre_attn_scalar, Gemma 3's local RoPE base, Qwen3's head_dim). Mistral is not
-covered: llama.cpp writes it as a ``llama`` GGUF (transformers tells them apart by the
-model's name), the same tensors as the Llama case.
+query_pre_attn_scalar, Gemma 3's local RoPE base, Qwen3's head_dim, Qwen3-MoE's expert
+width). Mistral is not covered: llama.cpp writes it as a ``llama`` GGUF (transformers
+tells them apart by the model's name), the same tensors as the Llama case. Nor are
+Mixtral (a ``llama`` GGUF with experts, which transformers reads without them) and gpt-oss
+(its reader does not build the stacked experts): kvserve refuses those at start.
 """
 
 from __future__ import annotations
@@ -93,6 +95,18 @@ def phi3_gguf() -> Any:
     return Phi3ForCausalLM(Phi3Config(**base(), pad_token_id=0))
 
 
+def qwen3_moe_gguf() -> Any:
+    """The experts' width is Qwen3-MoE's class default (768): transformers reads no
+    ``moe_intermediate_size`` from a GGUF; and renormalised routing, which it sets for
+    every Qwen3-MoE GGUF, as llama.cpp computes them."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        **base(head_dim=32), num_experts=4, num_experts_per_tok=2, norm_topk_prob=True
+    )
+    return Qwen3MoeForCausalLM(config)
+
+
 def gemma2_gguf() -> Any:
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
@@ -114,15 +128,21 @@ GGUF_FAMILIES: dict[str, Callable[[], Any]] = {
     "qwen2": qwen2_gguf,
     "qwen3": qwen3_gguf,
     "phi3": phi3_gguf,
+    "qwen3moe": qwen3_moe_gguf,
     "gemma2": gemma2_gguf,
     "gemma3": gemma3_gguf,
 }
 
 
-def write_gguf(reference: Any, architecture: str, path: Path) -> None:
-    """``reference`` as llama.cpp's converter writes it, float32, no tokenizer."""
+def write_gguf(reference: Any, architecture: str, path: Path, expert_count: int = 0) -> None:
+    """``reference`` as llama.cpp's converter writes it, float32, no tokenizer
+    (``expert_count`` written into the metadata when given)."""
     import gguf
-    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
 
     config = reference.config
     writer = gguf.GGUFWriter(str(path), architecture)
@@ -138,21 +158,39 @@ def write_gguf(reference: Any, architecture: str, path: Path) -> None:
     writer.add_rope_freq_base(_rope_theta(config))
     if config.pad_token_id is not None:  # else the class default, maybe past a tiny vocabulary
         writer.add_pad_token_id(config.pad_token_id)
-    if architecture.startswith("gemma"):
+    if architecture.startswith("gemma") or architecture == "qwen3moe":
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
+    if architecture.startswith("gemma"):
         writer.add_sliding_window(config.sliding_window)
+    if expert_count:
+        writer.add_expert_count(expert_count)
+    if architecture == "qwen3moe":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     state = reference.state_dict()
-    names = get_gguf_hf_weights_map(reference, TensorProcessor())
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)()
+    names = get_gguf_hf_weights_map(reference, processor)
     for gguf_name, hf_name in names.items():
         if hf_name not in state or (hf_name == "lm_head.weight" and config.tie_word_embeddings):
             continue
         tensor = _as_llama_cpp_stores(state[hf_name], hf_name, architecture, config)
-        writer.add_tensor(gguf_name, tensor.float().numpy())
+        writer.add_tensor(gguf_name, _expert_half(tensor, gguf_name).float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _expert_half(tensor: torch.Tensor, gguf_name: str) -> torch.Tensor:
+    """llama.cpp keeps the experts' gate and up projections apart (``ffn_gate_exps``,
+    ``ffn_up_exps``); transformers stacks them in one ``gate_up_proj``, gate rows first."""
+    if ".ffn_gate_exps." in gguf_name:
+        return tensor[:, : tensor.shape[1] // 2]
+    if ".ffn_up_exps." in gguf_name:
+        return tensor[:, tensor.shape[1] // 2 :]
+    return tensor
 
 
 def _rope_theta(config: Any) -> float:
@@ -187,6 +225,16 @@ def test_a_gguf_loads_as_the_reference(architecture: str, tmp_path: Path) -> Non
     assert loaded.spec.layer_windows == model_from_reference(reference).spec.layer_windows
     expected = prompt_logits(model_from_reference(reference))
     torch.testing.assert_close(prompt_logits(loaded), expected, atol=1e-5, rtol=0)
+
+
+def test_a_gguf_whose_experts_transformers_would_drop_is_refused(tmp_path: Path) -> None:
+    """llama.cpp writes Mixtral as a ``llama`` GGUF with experts; transformers reads it as
+    a dense Llama and drops them. kvserve refuses it, naming the way out, instead of
+    serving a model without its feed-forward."""
+    path = tmp_path / "tiny-mixtral.gguf"
+    write_gguf(random_reference(llama_gguf), "llama", path, expert_count=4)
+    with pytest.raises(ValueError, match="4 experts per layer.*Hugging Face directory"):
+        load_model(ModelSource.from_path(path), torch.float32, torch.device("cpu"), 256)
 
 
 QUANTIZED = {"int8": Int8Linear, "int4": Int4Linear}
@@ -235,3 +283,56 @@ def close_to(
     assert relative < relative_bound, relative
     agree = (actual.argmax(-1) == expected.argmax(-1)).float().mean().item()
     assert agree >= agreement, agree
+
+
+FP4_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def to_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., in]`` weights as MXFP4 ``(blocks uint8 [..., in/32, 16], scales uint8
+    [..., in/32])``: groups of 32 e2m1 codes (two a byte, even element in the low nibble)
+    under a power-of-two scale stored as its exponent + 127."""
+    groups = weight.float().reshape(*weight.shape[:-1], -1, 32)
+    peak = groups.abs().amax(-1).clamp_min(1e-30)
+    exponent = torch.ceil(torch.log2(peak / 6.0))
+    scaled = groups / torch.exp2(exponent)[..., None]
+    codes = (scaled.abs()[..., None] - FP4_GRID).abs().argmin(-1)
+    codes = codes | ((scaled < 0) & (codes > 0)).to(torch.int64) << 3
+    packed = (codes[..., 0::2] | codes[..., 1::2] << 4).to(torch.uint8)
+    return packed, (exponent + 127).to(torch.uint8)
+
+
+def write_mxfp4_checkpoint(reference: Any, path: Path) -> None:
+    """``reference`` (a gpt-oss) saved as the released checkpoints store it: the experts'
+    projections MXFP4 (``*_blocks`` / ``*_scales``, rows = outputs), the rest as is."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    reference.save_pretrained(path)
+    (shard,) = path.glob("*.safetensors")
+    state = load_file(shard)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = to_mxfp4(state.pop(name).transpose(1, 2))  # [E, out, in]
+        state[name + "_blocks"], state[name + "_scales"] = blocks, scales
+    save_file(state, shard, metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_an_mxfp4_gpt_oss_checkpoint_is_dequantized_as_it_loads(tmp_path: Path) -> None:
+    """gpt-oss's released MXFP4 experts: the model kvserve loads is transformers' own
+    dequantization of the same checkpoint."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    write_mxfp4_checkpoint(random_reference(FAMILIES["gpt_oss"][0]), tmp_path)
+    loaded = load_model(ModelSource.from_path(tmp_path), torch.float32, torch.device("cpu"), 256)
+    reference = AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
+    )
+    expected = prompt_logits(model_from_reference(reference))
+    torch.testing.assert_close(prompt_logits(loaded), expected, atol=0, rtol=0)
+    with torch.no_grad():
+        full = reference(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(prompt_logits(loaded), full, atol=1e-4, rtol=0)
