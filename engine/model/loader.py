@@ -162,8 +162,10 @@ def check_gguf_readable(path: Path, config: Any) -> None:
         architecture = reader.fields["general.architecture"].contents()
         field = reader.fields.get(f"{architecture}.expert_count")
         experts = int(field.contents()) if field is not None else 0
-        if experts and getattr(config, "num_experts", None) is None and not hasattr(
-            config, "num_local_experts"
+        if (
+            experts
+            and getattr(config, "num_experts", None) is None
+            and not hasattr(config, "num_local_experts")
         ):
             reason = (
                 f"it holds {experts} experts per layer under the '{architecture}' "

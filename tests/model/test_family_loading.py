@@ -233,7 +233,7 @@ def test_a_gguf_whose_experts_transformers_would_drop_is_refused(tmp_path: Path)
     serving a model without its feed-forward."""
     path = tmp_path / "tiny-mixtral.gguf"
     write_gguf(random_reference(llama_gguf), "llama", path, expert_count=4)
-    with pytest.raises(ValueError, match="4 experts per layer.*Hugging Face directory"):
+    with pytest.raises(ValueError, match=r"4 experts per layer.*Hugging Face directory"):
         load_model(ModelSource.from_path(path), torch.float32, torch.device("cpu"), 256)
 
 
