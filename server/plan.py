@@ -51,6 +51,29 @@ class ModelFacts:
     tied_head_parameters: int = 0
     # Each layer's sliding window (None: full attention), as the server reads them.
     layer_windows: tuple[int | None, ...] = ()
+    # Mixture of experts: every expert's projection weights (in linear_parameters too, as
+    # the server quantizes them), the experts a layer has and a token uses.
+    expert_parameters: int = 0
+    expert_out_channels: int = 0
+    experts_per_layer: int = 0
+    experts_per_token: int = 0
+
+    def active(self) -> ModelFacts:
+        """The parameters one token's decode step reads: every dense part and, of each
+        layer's experts, only the ``experts_per_token`` it is routed to."""
+        if not self.experts_per_layer:
+            return self
+        idle = self.experts_per_layer - self.experts_per_token
+        unused = self.expert_parameters * idle // self.experts_per_layer
+        channels = self.expert_out_channels * idle // self.experts_per_layer
+        return replace(
+            self,
+            num_parameters=self.num_parameters - unused,
+            linear_parameters=self.linear_parameters - unused,
+            linear_out_channels=self.linear_out_channels - channels,
+            expert_parameters=self.expert_parameters - unused,
+            expert_out_channels=self.expert_out_channels - channels,
+        )
 
 
 @dataclass(frozen=True)
@@ -108,6 +131,10 @@ class PlanReport:
     kv_groups: tuple[dict[str, int | str | None], ...] = ()
     all_full_max_concurrency_at_max_len: int = 0
     hybrid_capacity_gain: float = 1.0
+    # Mixture of experts: what one token's decode step reads (every weight otherwise).
+    active_parameters: int = 0
+    active_weight_bytes: int = 0
+    experts: str = ""  # "2 of 8 experts a layer"; "" for a dense model
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -195,6 +222,7 @@ def build_report(args: argparse.Namespace) -> PlanReport:
     # does wherever g++ is present (if not, the server holds fewer weight bytes than this).
     rowwise = args.kernels != "torch"  # as the builder: native kernels, row-major int8 copies
     weight_bytes = weight_bytes_for(facts, dtype, args.quantization, rowwise=rowwise)
+    active_bytes = weight_bytes_for(facts.active(), dtype, args.quantization, rowwise=rowwise)
     activation = _activation_reserve(args, facts, dtype)
     if args.memory is not None:  # as serve: on CUDA only a fraction of the device is used
         share = args.gpu_memory_utilization if device == "cuda" else 1.0
@@ -213,7 +241,16 @@ def build_report(args: argparse.Namespace) -> PlanReport:
         num_blocks_override=args.num_kv_blocks,
     )
     report = _assemble(facts, shape, plan, args, device=device, dtype=dtype)
-    return replace(report, tiers=_tier_rows(shape, args))
+    experts = ""
+    if facts.experts_per_layer:
+        experts = f"{facts.experts_per_token} of {facts.experts_per_layer} experts a layer"
+    return replace(
+        report,
+        tiers=_tier_rows(shape, args),
+        active_parameters=facts.active().num_parameters,
+        active_weight_bytes=active_bytes,
+        experts=experts,
+    )
 
 
 def _tier_rows(shape: KVShape, args: argparse.Namespace) -> tuple[dict[str, int | str], ...]:
@@ -328,6 +365,7 @@ def read_model_facts(model: str | None) -> ModelFacts:
     heads = text.num_attention_heads
     skeleton = _meta_model(config)
     linear_parameters, linear_channels, tied_head = _linear_weights(skeleton)
+    experts = _expert_weights(skeleton, text.hidden_size)
     return ModelFacts(
         name=name,
         source=source,
@@ -340,10 +378,14 @@ def read_model_facts(model: str | None) -> ModelFacts:
         intermediate_size=getattr(text, "intermediate_size", 4 * text.hidden_size),
         vocab_size=text.vocab_size,
         context_len=getattr(text, "max_position_embeddings", DEFAULT_CONTEXT_CAP),
-        linear_parameters=linear_parameters,
-        linear_out_channels=linear_channels,
+        linear_parameters=linear_parameters + experts.parameters,
+        linear_out_channels=linear_channels + experts.out_channels,
         tied_head_parameters=tied_head,
         layer_windows=_layer_windows(config),
+        expert_parameters=experts.parameters,
+        expert_out_channels=experts.out_channels,
+        experts_per_layer=experts.per_layer,
+        experts_per_token=int(getattr(text, "num_experts_per_tok", 0) or 0),
     )
 
 
@@ -380,6 +422,29 @@ def _linear_weights(model: Any) -> tuple[int, int, int]:
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is model.get_input_embeddings().weight
     return parameters, channels, head.weight.numel() if tied else 0
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    parameters: int = 0  # every expert's projection weights, all layers
+    out_channels: int = 0
+    per_layer: int = 0  # experts in a layer that has them
+
+
+def _expert_weights(model: Any, hidden_size: int) -> ExpertWeights:
+    """The stacked expert projections transformers 5 holds (``gate_up_proj`` and
+    ``down_proj`` of ``[experts, ., .]``; biases are not projections): what the server
+    turns into one gate-up and one down projection per expert."""
+    parameters = channels = per_layer = 0
+    for module in model.modules():
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not all(hasattr(p, "ndim") and p.ndim == 3 for p in (gate_up, down)):
+            continue
+        count = int(gate_up.shape[0])
+        per_layer = max(per_layer, count)
+        parameters += gate_up.numel() + down.numel()
+        channels += gate_up.numel() // hidden_size + count * hidden_size  # 2I + H each
+    return ExpertWeights(parameters, channels, per_layer)
 
 
 def weight_bytes_for(
@@ -516,6 +581,15 @@ def format_report(report: PlanReport) -> str:
         f"{size(report.demand_bytes)} (at avg length)",
         f"  weights             {report.num_parameters:,} parameters = "
         f"{size(report.weight_bytes)} ({report.weights_note})",
+        *(
+            [
+                f"  active per token    {report.active_parameters:,} parameters = "
+                f"{size(report.active_weight_bytes)} ({report.experts}: what a decode step "
+                "reads)"
+            ]
+            if report.experts
+            else []
+        ),
         f"  budget              {size(report.memory_budget_bytes)} - weights - "
         f"activations {size(report.activation_reserve_bytes)} - copy staging "
         f"{size(report.copy_staging_bytes)} = KV {size(report.kv_budget_bytes)}",

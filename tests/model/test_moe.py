@@ -4,16 +4,23 @@ and the way it works: one call per expert a step, however many tokens chose it."
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from engine.builder import build_engine
+from engine.config import EngineArgs
 from engine.model.kernels.base import TorchKernels
+from engine.model.kernels.native import load_native_ops
 from engine.model.layers.linear import parameter_bytes
 from engine.model.layers.moe import SOFTMAX_TOPK, TOPK_SOFTMAX, MoEMLP, Routing, route
 from engine.model.loader import model_from_reference
+from server.plan import build_report, format_report
 from tests.model.family_models import FAMILIES, random_reference
+from tests.model.test_family_serving import saved_model
+from tests.model.test_weight_quant import parse_plan
 
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
 
@@ -118,3 +125,43 @@ def test_a_decode_step_counts_only_the_experts_it_reads(family: str) -> None:
         assert parameter_bytes(moe) == router + one_expert * len(moe.experts)
         assert parameter_bytes(moe, decode=True) == router + one_expert * moe.routing.top_k
     assert model.weights.decode_nbytes < model.weights.nbytes
+
+
+@pytest.mark.skipif(not load_native_ops(), reason="int4 needs the native kernels")
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_plan_counts_every_expert_and_the_active_ones(
+    family: str, quantization: str, smollm_tokenizer: Any, tmp_path: Path
+) -> None:
+    """`kvserve plan` from the config alone: the weight bytes the engine holds (every
+    expert, quantized as the server quantizes them) and the parameters one token's step
+    reads (``top_k`` of each layer's experts)."""
+    reference = saved_model(FAMILIES[family][0], smollm_tokenizer, tmp_path)
+    flags = ["--model", str(tmp_path), "--device", "cpu", "--dtype", "float32"]
+    report = build_report(parse_plan(*flags, "--quantization", quantization))
+    built = build_engine(
+        EngineArgs(
+            model=str(tmp_path),
+            device="cpu",
+            dtype="float32",
+            quantization=quantization,
+            kv_cache_memory_gib=1 / 1024,
+            swap_space_gib=0,
+        )
+    )
+    assert report.weight_bytes == built.weight_bytes
+    config = reference.config
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    top_k = config.num_experts_per_tok
+    stacked = [
+        p.numel()
+        for name, p in reference.named_parameters()
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    ]
+    unused = sum(stacked) * (experts - top_k) // experts
+    assert report.experts == f"{top_k} of {experts} experts a layer"
+    assert report.active_parameters == report.num_parameters - unused
+    assert report.active_weight_bytes < report.weight_bytes
+    if quantization == "none":
+        assert report.active_weight_bytes == report.active_parameters * 4
+    assert "active per token" in format_report(report)
