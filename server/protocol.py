@@ -332,6 +332,9 @@ class TokenizeRequest(StrictModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # With ``messages``: the functions a chat request would offer, rendered as it renders
+    # them (through the template when it takes tools), so a client can count a tool prompt.
+    tools: list[ToolDefinition] | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -339,6 +342,8 @@ class TokenizeRequest(StrictModel):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         if self.messages is not None and not self.messages:
             raise ValueError("'messages' must not be empty")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("'tools' go with 'messages', not with a raw 'prompt'")
         return self
 
 

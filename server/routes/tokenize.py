@@ -16,6 +16,7 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
+from server.chat_template import ChatTemplateOptions
 from server.protocol import DetokenizeRequest, TokenizeRequest
 from server.request_body import OffLoopBodyRoute
 from server.routes.context import Ctx, ServingContext
@@ -42,7 +43,10 @@ async def detokenize(body: DetokenizeRequest, request: HTTPRequest, ctx: Ctx) ->
 def _tokenize_json(ctx: ServingContext, body: TokenizeRequest) -> bytes:
     """``{"tokens": [...], "count": n, "max_model_len": m}`` as JSON bytes."""
     if body.messages is not None:
-        text = render_chat(ctx, body.messages, add_generation_prompt=body.add_generation_prompt)
+        options = ChatTemplateOptions(
+            add_generation_prompt=body.add_generation_prompt, tools=tuple(body.tools or ())
+        )
+        text = render_chat(ctx, body.messages, options=options)
         tokens = encode_text(ctx.tokenizer, text, add_special_tokens=False)
     else:
         tokens = encode_text(

@@ -51,6 +51,23 @@ def test_tokenize_errors(server: LiveServer):
     assert bad.status_code == 400 and "-5" in bad.json()["error"]["message"]
     wrong_model = httpx.post(f"{server.url}/tokenize", json={"model": "x", "prompt": "y"})
     assert wrong_model.status_code == 404
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    tools_on_a_prompt = httpx.post(f"{server.url}/tokenize", json={"prompt": "x", "tools": [tool]})
+    assert tools_on_a_prompt.status_code == 400
+    assert "'tools' go with 'messages'" in tools_on_a_prompt.json()["error"]["message"]
+
+
+def test_tokenize_messages_with_tools_counts_the_tool_prompt(server: LiveServer):
+    """The functions a chat request offers are in the prompt /tokenize counts (SmolLM2's
+    template has no tools: kvserve's generic tool system prompt)."""
+    messages = [{"role": "user", "content": "hello"}]
+    tool = {"type": "function", "function": {"name": "lookup_city", "parameters": {}}}
+    plain = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()
+    body = {"messages": messages, "tools": [tool]}
+    with_tools = httpx.post(f"{server.url}/tokenize", json=body).json()
+    assert with_tools["count"] > plain["count"]
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": with_tools["tokens"]}).json()
+    assert "lookup_city" in text["prompt"] and "<tools>" in text["prompt"]
 
 
 def test_health_and_version(server: LiveServer):
