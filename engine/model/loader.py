@@ -130,7 +130,7 @@ def _dequantizing(config: Any) -> dict[str, Any]:
     if method is None:
         method = getattr(quantization, "quant_method", None)
     if str(method) in ("mxfp4", "QuantizationMethod.MXFP4"):
-        from transformers import Mxfp4Config
+        from transformers import Mxfp4Config  # type: ignore[attr-defined]
 
         return {"quantization_config": Mxfp4Config(dequantize=True)}
     if method is not None:

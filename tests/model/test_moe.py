@@ -165,3 +165,11 @@ def test_plan_counts_every_expert_and_the_active_ones(
     if quantization == "none":
         assert report.active_weight_bytes == report.active_parameters * 4
     assert "active per token" in format_report(report)
+
+
+def test_an_moe_model_is_never_captured_in_a_cuda_graph() -> None:
+    """The expert counts are read on the host each layer, which a CUDA graph cannot
+    replay: MoE decode steps run eagerly (dense models keep their graphs)."""
+    moe = model_from_reference(random_reference(FAMILIES["mixtral"][0]))
+    dense = model_from_reference(random_reference(FAMILIES["llama"][0]))
+    assert moe.syncs_on_host and not dense.syncs_on_host

@@ -27,6 +27,7 @@ from engine.model.kernels.params import AttentionParams
 from engine.model.layers.attention import AttentionLayer, AttentionWeights
 from engine.model.layers.linear import DenseLinear, Linear, parameter_bytes
 from engine.model.layers.mlp import MLP, SILU, GatedMLP
+from engine.model.layers.moe import MoEMLP
 from engine.model.layers.rotary import RotaryEmbedding
 from engine.model.runtime.cpu_decode import DecodeLayers, PlainLayer
 from engine.model.runtime.kv_cache import PagedKVCache
@@ -145,6 +146,12 @@ class DecoderModel:
     @property
     def dtype(self) -> torch.dtype:
         return self.weights.embed.dtype
+
+    @property
+    def syncs_on_host(self) -> bool:
+        """Whether a forward reads device values on the host (an MoE layer reads how many
+        tokens chose each expert), which a CUDA graph cannot capture."""
+        return any(isinstance(layer.mlp, MoEMLP) for layer in self.weights.layers)
 
     @property
     def device(self) -> torch.device:

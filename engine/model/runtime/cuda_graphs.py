@@ -127,7 +127,8 @@ class DecodeGraphs:
         self.ladder = batch_size_ladder(max_batch)
         max_blocks = -(-max_model_len // cache.block_size)
         self.inputs = StepInputs(max_batch, max_blocks, cache.block_size, model.device)
-        self.use_graphs = use_graphs and model.device.type == "cuda"
+        # A mixture of experts reads its expert counts on the host: such steps run eagerly.
+        self.use_graphs = use_graphs and model.device.type == "cuda" and not model.syncs_on_host
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_bytes = 0
 
