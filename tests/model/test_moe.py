@@ -15,7 +15,8 @@ from engine.config import EngineArgs
 from engine.model.kernels.base import TorchKernels
 from engine.model.kernels.native import load_native_ops
 from engine.model.layers.linear import parameter_bytes
-from engine.model.layers.moe import SOFTMAX_TOPK, TOPK_SOFTMAX, MoEMLP, Routing, route
+from engine.model.layers.moe import MoEMLP
+from engine.model.layers.routing import SOFTMAX_TOPK, TOPK_SOFTMAX, Routing, route
 from engine.model.loader import model_from_reference
 from server.plan import build_report, format_report
 from tests.model.family_models import FAMILIES, random_reference
@@ -173,3 +174,48 @@ def test_an_moe_model_is_never_captured_in_a_cuda_graph() -> None:
     moe = model_from_reference(random_reference(FAMILIES["mixtral"][0]))
     dense = model_from_reference(random_reference(FAMILIES["llama"][0]))
     assert moe.syncs_on_host and not dense.syncs_on_host
+
+
+@pytest.mark.skipif(not load_native_ops(), reason="the native kernels did not build")
+@pytest.mark.parametrize(
+    ("dtype", "quantization"),
+    [
+        (torch.float32, "none"),
+        (torch.bfloat16, "none"),
+        (torch.float32, "int4"),
+        (torch.bfloat16, "int4"),
+        (torch.float32, "int8"),
+        (torch.bfloat16, "int8"),
+    ],
+)
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_native_layer_equals_the_python_loop(
+    family: str, dtype: torch.dtype, quantization: str
+) -> None:
+    """csrc/moe.cpp routes with the same ATen calls and runs the same kernels in the same
+    order as the Python path: bit-identical outputs for decode-sized and chunk-sized steps
+    (int8: while no expert gets more rows than its few-row kernel, past which Python hands
+    them to fbgemm); gpt-oss with its router bias, expert biases and clamped SwiGLU."""
+    from engine.model.kernels.native import NativeKernels
+    from engine.model.layers.quantize import quantize_weights
+
+    reference = random_reference(FAMILIES[family][0]).to(dtype)
+    model = model_from_reference(reference)
+    weights = quantize_weights(model.weights, quantization, rowwise=True)
+    kernels = NativeKernels()
+    torch.manual_seed(3)
+    for layer in weights.layers:
+        moe = layer.mlp
+        if not isinstance(moe, MoEMLP):
+            continue
+        native = moe.native_moe(dtype)
+        assert native is not None
+        for tokens in (1, 3, 48):
+            x = torch.randn(tokens, reference.config.hidden_size).to(dtype)
+            routed, ids = route(moe.router(True)(x), moe.routing)
+            counts = torch.bincount(ids.flatten(), minlength=len(moe.experts))
+            if quantization == "int8" and int(counts.max()) > 4:
+                continue
+            expected = moe.grouped(x, kernels, routed, ids)
+            assert torch.equal(native.run(x), expected)
+            assert torch.equal(moe(x, kernels), expected)  # the layer takes the op

@@ -31,7 +31,8 @@ from engine.model.layers.attention import AttentionWeights
 from engine.model.layers.decoder import DecoderOptions, LayerWeights, ModelWeights
 from engine.model.layers.linear import DenseLinear
 from engine.model.layers.mlp import ClampedSwiGLU, GatedMLP
-from engine.model.layers.moe import TOPK_SOFTMAX, MoEMLP, Routing
+from engine.model.layers.moe import MoEMLP
+from engine.model.layers.routing import TOPK_SOFTMAX, Routing
 from engine.model.spec import ModelSpec
 
 

@@ -20,7 +20,8 @@ from engine.model.layers.attention import QK_NORM_PER_HEAD
 from engine.model.layers.decoder import DecoderOptions, LayerWeights, ModelWeights
 from engine.model.layers.linear import DenseLinear
 from engine.model.layers.mlp import MLP, GatedMLP, activation_from_config
-from engine.model.layers.moe import SOFTMAX_TOPK, MoEMLP, Routing
+from engine.model.layers.moe import MoEMLP
+from engine.model.layers.routing import SOFTMAX_TOPK, Routing
 from engine.model.spec import ModelSpec
 
 

@@ -25,6 +25,7 @@ are never read), soft-cap and sinks.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from pathlib import Path
 
@@ -54,6 +55,7 @@ SOURCES = (
     "token_mask.cpp",
     "block_copy.cpp",
     "decode_layers.cpp",
+    "moe.cpp",
     "register.cpp",
 )
 # Activation and weight dtypes the fused ops take.
@@ -84,6 +86,15 @@ def native_ops_error() -> str | None:
     return "the fused CPU kernels failed to build; see the warning above (needs g++ and ninja)"
 
 
+def _headers_digest() -> str:
+    """A short hash of csrc's headers: torch rebuilds when a source changes, not a header,
+    so the headers name the build."""
+    digest = hashlib.sha256()
+    for header in sorted(CSRC.glob("*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:10]
+
+
 def _build_and_load() -> None:
     from torch.utils import cpp_extension
 
@@ -92,7 +103,7 @@ def _build_and_load() -> None:
     # extension then links libgomp.so.1, which resolves to the copy torch already loaded.
     flags = ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(capability, [])]
     cpp_extension.load(
-        name=f"kvserve_cpu_ops_{capability.lower()}",
+        name=f"kvserve_cpu_ops_{capability.lower()}_{_headers_digest()}",
         sources=[str(CSRC / name) for name in SOURCES],
         extra_include_paths=[str(CSRC)],
         extra_cflags=flags,

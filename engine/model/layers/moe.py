@@ -10,13 +10,7 @@ reaches a dense MLP (``map_linears``), and their few-row kernels serve decode st
 router stays in the serving dtype (``router_weight`` is a tensor, not a ``Linear``):
 rounding it would change which experts a token picks.
 
-The routing rules of the families:
-
-- ``SOFTMAX_TOPK`` (Mixtral, Qwen3-MoE): softmax over every expert in float32, the top
-  ``k`` probabilities, renormalised to sum to 1 where the family does (Mixtral always,
-  Qwen3-MoE with ``norm_topk_prob``);
-- ``TOPK_SOFTMAX`` (gpt-oss): the top ``k`` logits (the router has a bias), then a
-  softmax over those ``k``.
+The routing rules are layers/routing.py's.
 
 Experts are visited in ascending id and their outputs added into the token's row in the
 model dtype, as transformers' reference does. A one-token decode reads only its ``k``
@@ -25,44 +19,19 @@ experts: ``active_decode_bytes`` is what the decode floor counts (``parameter_by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from engine.model.kernels.base import Kernels
-from engine.model.layers.linear import parameter_bytes
+from engine.model.layers.linear import DenseLinear, bf16_rowwise_supported, parameter_bytes
 from engine.model.layers.mlp import GatedMLP
+from engine.model.layers.routing import Routing, route
+from engine.model.runtime.cpu_moe import NativeMoE
 
-SOFTMAX_TOPK = "softmax_topk"
-TOPK_SOFTMAX = "topk_softmax"
-
-
-@dataclass(frozen=True)
-class Routing:
-    """How a token's experts and their weights follow from the router's logits."""
-
-    top_k: int
-    rule: str = SOFTMAX_TOPK
-    renormalize: bool = True  # SOFTMAX_TOPK only: the top-k weights sum to 1
-
-    def __post_init__(self) -> None:
-        if self.rule not in (SOFTMAX_TOPK, TOPK_SOFTMAX):
-            raise ValueError(f"unknown routing rule {self.rule!r}")
-        if self.top_k < 1:
-            raise ValueError(f"top_k must be at least 1, not {self.top_k}")
-
-
-def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights float32 [tokens, k], expert ids int64 [tokens, k])`` from router logits."""
-    if routing.rule == TOPK_SOFTMAX:
-        top, ids = torch.topk(logits, routing.top_k, dim=-1)
-        return torch.softmax(top.float(), dim=-1), ids
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, routing.top_k, dim=-1)
-    if routing.renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+# Steps of at most this many tokens take the native op (runtime/cpu_moe.py) on the native
+# kernels: decode steps and short chunks, where the op's one thread per expert pays.
+NATIVE_MAX_TOKENS = 64
 
 
 @dataclass
@@ -73,13 +42,44 @@ class MoEMLP:
     router_bias: torch.Tensor | None
     experts: list[GatedMLP]
     routing: Routing
+    # Built at the first step on the native kernels: the router as a few-row bf16 layer
+    # where the CPU has one (as a dense bf16 layer would be), and the whole layer as the
+    # native op takes it (False where it cannot).
+    _router: DenseLinear | None = field(default=None, init=False, repr=False, compare=False)
+    _native: NativeMoE | bool | None = field(default=None, init=False, repr=False, compare=False)
 
     def __call__(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
-        logits = F.linear(x, self.router_weight, self.router_bias)
-        weights, ids = route(logits, self.routing)
+        on_native = kernels.name == "native"
+        if on_native and x.shape[0] <= NATIVE_MAX_TOKENS:
+            native = self.native_moe(x.dtype)
+            if native is not None:
+                return native.run(x)
+        weights, ids = route(self.router(on_native)(x), self.routing)
+        return self.grouped(x, kernels, weights, ids)
+
+    def router(self, on_native: bool) -> DenseLinear:
+        """The router's projection (few-row bf16 on the native kernels where supported)."""
+        if not on_native:
+            return DenseLinear(self.router_weight, self.router_bias)
+        if self._router is None:
+            rowwise = bf16_rowwise_supported(self.router_weight)
+            self._router = DenseLinear(self.router_weight, self.router_bias, rowwise=rowwise)
+        return self._router
+
+    def native_moe(self, dtype: torch.dtype) -> NativeMoE | None:
+        """The layer as the native op runs it, or None where it cannot."""
+        if self._native is None:
+            self._native = NativeMoE.build(self.router(True), self.experts, self.routing, dtype)
+        return self._native or None
+
+    def grouped(
+        self, x: torch.Tensor, kernels: Kernels, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The step's (token, slot) pairs grouped by expert, each chosen expert run once
+        over all of its tokens, outputs added in ascending expert id."""
         top_k = self.routing.top_k
         pairs = ids.flatten()
-        order = torch.argsort(pairs, stable=True)  # (token, slot) pairs grouped by expert
+        order = torch.argsort(pairs, stable=True)
         counts = torch.bincount(pairs, minlength=len(self.experts)).tolist()
         pair_weights = weights.flatten()
         out = torch.zeros_like(x)

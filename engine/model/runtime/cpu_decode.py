@@ -45,7 +45,7 @@ _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class LinearKind(enum.IntEnum):
-    """The kernel a projection takes (csrc/decode_layers.cpp's LinearKind)."""
+    """The kernel a projection takes (csrc/projection.h's LinearKind)."""
 
     DENSE = 0  # at::linear: float32 / float16 weights
     DENSE_BF16 = 1  # bf16_linear: bf16 weights on a CPU with AVX512_BF16
@@ -55,16 +55,19 @@ class LinearKind(enum.IntEnum):
 
 
 def projection_operands(
-    linear: Linear, dtype: torch.dtype
+    linear: Linear, dtype: torch.dtype, allow_bias: bool = False
 ) -> tuple[LinearKind, torch.Tensor, torch.Tensor] | None:
-    """``(kind, a, b)`` for a projection the path can run on ``dtype`` activations, or None."""
-    if isinstance(linear, DenseLinear) and linear.bias is None:
+    """``(kind, a, b)`` for a projection a native path can run on ``dtype`` activations
+    (one with a bias only if ``allow_bias``: the caller passes it on), or None."""
+    if not allow_bias and getattr(linear, "bias", None) is not None:
+        return None
+    if isinstance(linear, DenseLinear):
         kind = LinearKind.DENSE_BF16 if linear.rowwise else LinearKind.DENSE
         return kind, linear.weight, _UNUSED
-    if isinstance(linear, Int8Linear) and linear.bias is None and linear.rowwise is not None:
+    if isinstance(linear, Int8Linear) and linear.rowwise is not None:
         integer = linear.integer and dtype in NATIVE_ACTIVATION_DTYPES
         return (LinearKind.INT8_INTEGER if integer else LinearKind.INT8_FLOAT), *linear.rowwise
-    if isinstance(linear, Int4Linear) and linear.bias is None and dtype in NATIVE_ACTIVATION_DTYPES:
+    if isinstance(linear, Int4Linear) and dtype in NATIVE_ACTIVATION_DTYPES:
         return LinearKind.INT4, linear.packed, linear.params
     return None
 

@@ -3,67 +3,21 @@
 // is bit-identical; what goes away is ten trips through Python and torch's dispatcher per
 // layer (~1.3 ms of a ~4 ms single-stream step on two cores).
 //
-// Each projection arrives as a kind and two tensors (engine/model/cpu_decode.py builds
-// them once per model): the few-row kernel it takes, its weight, and its scales or Q4_1
-// parameters. Steps of a few decode rows only: every projection is then on its few-row
+// Each projection arrives as a kind and two tensors (engine/model/runtime/cpu_decode.py
+// builds them once per model; projection.h runs them): the few-row kernel it takes, its
+// weight, and its scales or Q4_1 parameters. Steps of a few decode rows only: every projection is then on its few-row
 // kernel, and there is no prefill to attend.
 
 #include <ATen/ATen.h>
 
 #include "common.h"
 #include "ops.h"
+#include "projection.h"
 
 namespace kvserve {
 namespace {
 
-// Must match LinearKind in engine/model/cpu_decode.py.
-enum LinearKind : int64_t {
-  kDense = 0,        // at::linear (a float32 or float16 model's projections)
-  kDenseBf16 = 1,    // bf16_linear: a bf16 model on a CPU with AVX512_BF16
-  kInt8Integer = 2,  // int8_linear_vnni (VNNI or AVX2): weight, per-row scales
-  kInt8Float = 3,    // int8_linear on float32 activations: weight, per-row scales
-  kInt4 = 4,         // int4_linear: packed codes, (scale, minimum) params
-};
-
 constexpr int64_t kTensorsPerLayer = 10;  // two norms, then (a, b) for four projections
-
-// Output features of a projection: a weight's rows, or for int4 the Q4_1 params' count
-// (out * in / 32 (scale, minimum) pairs) over the input's width.
-int64_t out_features(int64_t kind, const at::Tensor& x, const at::Tensor& a,
-                     const at::Tensor& b) {
-  return kind == kInt4 ? b.numel() * 16 / x.size(1) : a.size(0);
-}
-
-// out = x @ W.T on the projection's few-row kernel. out: [rows, out_features], x's dtype.
-void project(int64_t kind, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
-             at::Tensor& out) {
-  switch (kind) {
-    case kDense:
-      at::linear_out(out, x, a);
-      return;
-    case kDenseBf16:
-      bf16_linear(out, x, a);
-      return;
-    case kInt8Integer:
-      int8_linear_vnni(out, x, a, b);
-      return;
-    case kInt8Float: {
-      if (x.scalar_type() == at::kFloat) {
-        int8_linear(out, x, a, b);
-        return;
-      }
-      at::Tensor out32 = at::empty(out.sizes(), out.options().dtype(at::kFloat));
-      int8_linear(out32, x.to(at::kFloat), a, b);
-      out.copy_(out32);
-      return;
-    }
-    case kInt4:
-      int4_linear(out, x, a, b);
-      return;
-    default:
-      TORCH_CHECK(false, "unknown projection kind ", kind);
-  }
-}
 
 // The outputs of one layer's projections and activations, allocated by the first layer
 // and reused by every later one: a step's rows and the model's widths are the same in

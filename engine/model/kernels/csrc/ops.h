@@ -82,6 +82,8 @@ at::Tensor decode_layers(at::Tensor& residual, at::TensorList weights, at::IntAr
                          const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, double eps, double scale);
 
+// moe.cpp / moe.h: a mixture-of-experts feed-forward (moe_forward, MoEWeights).
+
 // block_copy.cpp
 void copy_blocks_serial_(at::Tensor& dst, const at::Tensor& src, at::IntArrayRef src_blocks,
                          at::IntArrayRef dst_blocks);

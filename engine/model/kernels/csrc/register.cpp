@@ -2,6 +2,7 @@
 
 #include <torch/library.h>
 
+#include "moe.h"
 #include "ops.h"
 
 TORCH_LIBRARY(kvserve, m) {
@@ -41,6 +42,12 @@ TORCH_LIBRARY(kvserve, m) {
       "Tensor(c!) value_cache, Tensor positions, Tensor cos, Tensor sin, Tensor slots, "
       "Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, int head_dim, "
       "float eps, float scale) -> Tensor");
+  m.class_<kvserve::MoEWeights>("MoEWeights")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, at::Tensor, at::Tensor,
+                       int64_t, int64_t, int64_t, bool, int64_t, double, double>());
+  m.def(
+      "moe_forward(Tensor(a!) out, Tensor x, __torch__.torch.classes.kvserve.MoEWeights weights) "
+      "-> ()");
   m.def("copy_blocks_serial_(Tensor(a!) dst, Tensor src, int[] src_blocks, int[] dst_blocks) -> ()");
 }
 
@@ -59,4 +66,5 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("apply_token_bitmask_", &kvserve::apply_token_bitmask_);
   m.impl("copy_blocks_serial_", &kvserve::copy_blocks_serial_);
   m.impl("decode_layers", &kvserve::decode_layers);
+  m.impl("moe_forward", &kvserve::moe_forward);
 }
