@@ -44,9 +44,10 @@ class MoEMLP:
     routing: Routing
     # Built at the first step on the native kernels: the router as a few-row bf16 layer
     # where the CPU has one (as a dense bf16 layer would be), and the whole layer as the
-    # native op takes it (False where it cannot).
+    # native op takes it (None where it cannot).
     _router: DenseLinear | None = field(default=None, init=False, repr=False, compare=False)
-    _native: NativeMoE | bool | None = field(default=None, init=False, repr=False, compare=False)
+    _native: NativeMoE | None = field(default=None, init=False, repr=False, compare=False)
+    _native_built: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __call__(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         on_native = kernels.name == "native"
@@ -68,9 +69,10 @@ class MoEMLP:
 
     def native_moe(self, dtype: torch.dtype) -> NativeMoE | None:
         """The layer as the native op runs it, or None where it cannot."""
-        if self._native is None:
+        if not self._native_built:
             self._native = NativeMoE.build(self.router(True), self.experts, self.routing, dtype)
-        return self._native or None
+            self._native_built = True
+        return self._native
 
     def grouped(
         self, x: torch.Tensor, kernels: Kernels, weights: torch.Tensor, ids: torch.Tensor
