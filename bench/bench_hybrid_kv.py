@@ -192,13 +192,23 @@ def cpu_description() -> str:
 def load_row(document: dict[str, Any]) -> dict[str, Any]:
     summary = document["summary"]
     increase = document["server_metrics"]["increase"]
+    samples = document["timeseries"]["server_metrics"]
+    busy = [s for s in samples if s.get("num_running", 0) > 0]
     return {
-        "requests_ok": summary["requests"]["ok"],
+        "peak_kv_usage": max((s.get("kv_usage_ratio", 0.0) for s in samples), default=0.0),
+        "max_waiting": max((s.get("num_waiting", 0.0) for s in samples), default=0.0),
+        "mean_running": sum(s["num_running"] for s in busy) / max(1, len(busy)),
+        "cached_fraction": summary["tokens"]["cached_fraction"],
+        "requests_ok": summary["requests"]["completed"],
+        "requests_failed": summary["requests"]["failed"],
+        "prompt_tokens": summary["tokens"]["prompt"],
         "output_tokens_per_s": summary["throughput"]["output_tokens_per_s"],
+        "total_tokens_per_s": summary["throughput"]["total_tokens_per_s"],
         "ttft_p50_s": summary["latency_s"]["ttft"]["p50"],
         "ttft_p95_s": summary["latency_s"]["ttft"]["p95"],
+        "itl_p50_s": summary["latency_s"]["itl"]["p50"],
         "preemptions": increase.get("preemptions_total", 0),
-        "duration_s": document["summary"].get("duration_s"),
+        "duration_s": summary.get("duration_s"),
     }
 
 
@@ -256,8 +266,13 @@ def format_table(summary: dict[str, Any]) -> str:
     for row in summary.get("load", []):
         lines.append(
             f"{'hybrid' if row['hybrid'] else 'all-full'}: {row['output_tokens_per_s']:.1f} "
-            f"output tok/s, TTFT p50 {row['ttft_p50_s']:.2f} s p95 {row['ttft_p95_s']:.2f} s, "
-            f"preemptions {row['preemptions']}, {row['requests_ok']} requests ok"
+            f"output tok/s ({row['total_tokens_per_s']:.0f} total), TTFT p50 "
+            f"{row['ttft_p50_s']:.2f} s p95 {row['ttft_p95_s']:.2f} s, ITL p50 "
+            f"{row['itl_p50_s'] * 1000:.0f} ms, preemptions {row['preemptions']:.0f}, "
+            f"{row['requests_ok']} requests ok, {row['requests_failed']} failed, "
+            f"{row['duration_s']:.0f} s; running {row['mean_running']:.1f} on average, up to "
+            f"{row['max_waiting']:.0f} waiting, peak KV use {row['peak_kv_usage']:.0%}, "
+            f"prompt tokens from the prefix cache {row['cached_fraction']:.0%}"
         )
     return "\n".join(lines)
 
