@@ -24,7 +24,9 @@ from server.body_reader import BodyReadMiddleware, send_error
 from server.chat_template import ChatTemplate
 from server.cors import add_cors
 from server.errors import APIError, install_error_handlers
-from server.routes import chat, completions, health, models, tokenize
+from server.responses.job import ResponsesState
+from server.responses.store import ResponseStore
+from server.routes import chat, completions, health, messages, models, responses, tokenize
 from server.routes.context import ServingContext
 from server.settings import ServerSettings
 
@@ -56,7 +58,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app, ctx.count_rejected)
-    for module in (chat, completions, models, tokenize, health):
+    for module in (chat, completions, responses, messages, models, tokenize, health):
         app.include_router(module.router)
     settings = ctx.settings
     if settings.enable_ui:
@@ -101,6 +103,11 @@ def serving_context(
     engine = AsyncEngine(built.core, queue_timeout_s=settings.queue_timeout_s, compute=compute)
     names = settings.served_model_names or (built.model_name,)
     metrics = _make_metrics(built, engine, names[0], cache_info) if with_metrics else None
+    responses = ResponsesState(
+        ResponseStore(settings.responses_store_size, settings.responses_store_bytes)
+    )
+    if metrics is not None:
+        metrics.watch_response_store(responses.store)
     return ServingContext(
         engine=engine,
         tokenizer=built.tokenizer,
@@ -116,6 +123,7 @@ def serving_context(
         chat_template=ChatTemplate(
             built.tokenizer, settings.chat_template, settings.chat_template_content_format
         ),
+        responses=responses,
     )
 
 
@@ -166,7 +174,9 @@ def _make_metrics(
 
 
 class AuthMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on the API paths (constant-time compare)."""
+    """Requires the API key on the API paths (constant-time compare): ``Authorization:
+    Bearer <key>``, or ``x-api-key: <key>`` as Anthropic's clients send it. A refusal on
+    the Messages routes is in Anthropic's shape."""
 
     def __init__(
         self,
@@ -191,7 +201,7 @@ class AuthMiddleware:
         self._on_reject("auth")
         error = APIError(
             401,
-            "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+            "Missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
@@ -203,11 +213,14 @@ class AuthMiddleware:
         return self._protect_all or path.startswith(PROTECTED_PREFIXES)
 
     def _authorized(self, scope: Scope) -> bool:
-        header = b""
+        bearer = api_key = None
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
-                header = value
-                break
-        scheme, _, token = header.partition(b" ")
+                bearer = value
+            elif name == b"x-api-key":
+                api_key = value
         # compare_digest on the whole token: no early exit that leaks the key's prefix.
+        if api_key is not None and hmac.compare_digest(api_key.strip(), self._key):
+            return True
+        scheme, _, token = (bearer or b"").partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)

@@ -21,9 +21,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError
 
+# Anthropic's Messages routes (server/routes/messages.py) answer in Anthropic's shape.
+ANTHROPIC_PREFIX = "/v1/messages"
+
 
 async def send_error(scope: Scope, send: Send, error: APIError) -> None:
-    """Answer ``error`` from middleware, before (or instead of) the app."""
+    """Answer ``error`` from middleware, before (or instead of) the app: in Anthropic's
+    shape on its Messages routes, OpenAI's elsewhere."""
+    if str(scope.get("path", "")).startswith(ANTHROPIC_PREFIX):
+        from server.anthropic.errors import AnthropicError
+
+        error = AnthropicError.of(error)
     await error.response()(scope, _no_receive, send)
 
 

@@ -26,6 +26,7 @@ from engine.config import (
     SpeculativeConfig,
 )
 from server.cli_frontend import add_frontend_arguments, frontend_settings
+from server.reasoning import REASONING_PARSERS
 from server.settings import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_REQUEST_BODY_TIMEOUT_S,
@@ -181,6 +182,24 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=TOOL_CALL_PARSERS,
         help="how tool calls look in the output (with --enable-auto-tool-choice)",
     )
+    tools.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=1024,
+        help="responses /v1/responses keeps for previous_response_id and GET (LRU; 0: none)",
+    )
+    tools.add_argument(
+        "--responses-store-memory",
+        type=float,
+        default=64.0,
+        help="MiB of stored responses at most (their JSON; the least recently used go first)",
+    )
+    tools.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="split the reasoning a thinking model writes in <think> from its answer",
+    )
     http.add_argument(
         "--disable-ui", action="store_true", help="do not serve the live KV block map at /ui"
     )
@@ -269,6 +288,9 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         enable_ui=not args.disable_ui,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        responses_store_size=args.responses_store_size,
+        responses_store_bytes=int(args.responses_store_memory * 1024 * 1024),
         **frontend_settings(args),
     )
 

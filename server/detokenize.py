@@ -115,6 +115,7 @@ class StopMatch:
 
     text: str
     stopped: bool = False
+    stop: str | None = None  # the stop string that ended the output
 
 
 class StopStringMatcher:
@@ -138,7 +139,7 @@ class StopStringMatcher:
             self.stopped = True
             self._pending = ""
             end = cut + len(stop) if self._include_stop else cut
-            return StopMatch(buffer[:end], stopped=True)
+            return StopMatch(buffer[:end], stopped=True, stop=stop)
         keep = min(self._hold, len(buffer))
         emit_len = len(buffer) - keep
         self._pending = buffer[emit_len:]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -374,6 +375,41 @@ class CacheInfoCollector(Collector):
         yield family
 
 
+class ResponseStoreCollector(Collector):
+    """The Responses API's store (server/responses/store.py), read at scrape time:
+    ``kvserve_responses_stored`` and ``kvserve_responses_stored_bytes`` now, and the
+    responses evicted by its bounds and the lookups of ids it did not hold."""
+
+    def __init__(self, model_name: str, store: Any) -> None:
+        self._model = model_name
+        self._store = store
+
+    def collect(self) -> Iterable[Metric]:
+        store = self._store
+        for name, doc, value in (
+            ("responses_stored", "Responses held for previous_response_id and GET.", len(store)),
+            ("responses_stored_bytes", "Bytes of the stored responses (JSON).", store.nbytes),
+        ):
+            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            gauge.add_metric([self._model], value)
+            yield gauge
+        for name, doc, value in (
+            (
+                "responses_evicted",
+                "Stored responses evicted by the store's bounds.",
+                store.counters.evicted,
+            ),
+            (
+                "responses_store_misses",
+                "Lookups of response ids not (or no longer) stored.",
+                store.counters.misses,
+            ),
+        ):
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter.add_metric([self._model], value)
+            yield counter
+
+
 class ServerMetrics:
     """All metrics of one server, in a registry of its own; ``render()`` serves a scrape."""
 
@@ -460,6 +496,10 @@ class ServerMetrics:
         self._prompt_len.observe(record.prompt_tokens)
         self._generation_len.observe(record.generation_tokens)
         self._kv_blocks.observe(record.kv_blocks)
+
+    def watch_response_store(self, store: Any) -> None:
+        """Export the Responses API store's occupancy (``ResponseStoreCollector``)."""
+        self.registry.register(ResponseStoreCollector(self._model, store))
 
     def count_rejected(self, reason: str) -> None:
         """Count a request refused before it ran (too_long, queue_full, invalid, auth...)."""

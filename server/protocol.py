@@ -51,7 +51,6 @@ UNSUPPORTED_CHAT_FIELDS = (
     "modalities",
     "prediction",
     "web_search_options",
-    "reasoning_effort",
     "logit_processors",
 )
 UNSUPPORTED_COMPLETION_FIELDS = ("suffix",)
@@ -174,6 +173,10 @@ class ChatMessage(StrictModel):
     # Null (or absent) only for an assistant message that calls tools.
     content: str | list[TextPart] | None = Field(None, validate_default=True)
     name: str | None = None  # passed to the template (multi-agent conversations)
+    # An assistant turn's earlier reasoning, sent back by agent frameworks (vLLM's
+    # ``reasoning``, and the older ``reasoning_content``): rendered through the template.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -189,7 +192,18 @@ class ChatMessage(StrictModel):
             raise ValueError("only assistant messages carry 'tool_calls'")
         if (self.tool_call_id is not None) != (self.role == "tool"):
             raise ValueError("a message has 'tool_call_id' exactly when its role is 'tool'")
+        if self.thinking is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry 'reasoning'")
+        if None not in (self.reasoning, self.reasoning_content) and (
+            self.reasoning != self.reasoning_content
+        ):
+            raise ValueError("give 'reasoning' or 'reasoning_content', not two different ones")
         return self
+
+    @property
+    def thinking(self) -> str | None:
+        """The reasoning sent with this (assistant) message, under either name."""
+        return self.reasoning if self.reasoning is not None else self.reasoning_content
 
     @property
     def text(self) -> str:
@@ -210,8 +224,10 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDefinition] | None = Field(None, min_length=1)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
-    # Chat template controls (vLLM; server/chat_template.py).
+    # Chat template controls (vLLM; server/chat_template.py). ``reasoning_effort`` reaches
+    # the template as a variable of that name (gpt-oss's template reads it).
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False

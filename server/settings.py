@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from server.reasoning import REASONING_PARSERS, ReasoningFormat
 from server.tools.parsers import TOOL_CALL_PARSERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
@@ -45,6 +46,11 @@ class ServerSettings:
     # tool_choice "auto": parse tool calls out of free output (vLLM's flags of these names).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # --reasoning-parser: split <think> output into reasoning (server/reasoning.py).
+    reasoning_parser: str | None = None
+    # The Responses API's store of responses (server/responses/store.py): its bounds.
+    responses_store_size: int = 1024
+    responses_store_bytes: int = 64 * 1024 * 1024
     # --chat-template (its text, already read from a file) and how content reaches it.
     chat_template: str | None = None
     chat_template_content_format: str = "auto"
@@ -53,6 +59,11 @@ class ServerSettings:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+
+    @property
+    def reasoning(self) -> ReasoningFormat | None:
+        """The reasoning format --reasoning-parser names, or None."""
+        return None if self.reasoning_parser is None else REASONING_PARSERS[self.reasoning_parser]
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -75,5 +86,9 @@ class ServerSettings:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.responses_store_size < 0 or self.responses_store_bytes < 0:
+            raise ValueError("the response store's bounds must be >= 0 (0: store nothing)")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
         if self.chat_template_content_format not in ("auto", "string", "openai"):
             raise ValueError("chat_template_content_format must be auto, string or openai")

@@ -88,11 +88,12 @@ class Constraint:
     value: str
     param: str
 
-    def spec(self) -> Any:
-        """The engine's ``StructuredOutputs`` for this constraint."""
+    def spec(self, after: tuple[int, ...] = ()) -> Any:
+        """The engine's ``StructuredOutputs`` for this constraint (applying once the
+        ``after`` tokens appeared in the output, when given)."""
         from engine.request import StructuredOutputs
 
-        return StructuredOutputs(kind=self.kind, value=self.value)
+        return StructuredOutputs(kind=self.kind, value=self.value, after=after)
 
 
 def schema_constraint(schema: dict[str, Any], param: str) -> Constraint:
@@ -197,14 +198,19 @@ async def check_compiles(compiler: Any, constraints: Sequence[Constraint]) -> No
 
 
 async def constrained(
-    compiler: Any, params: Any, constraint: Constraint | None, checks: Sequence[Constraint] = ()
+    compiler: Any,
+    params: Any,
+    constraint: Constraint | None,
+    checks: Sequence[Constraint] = (),
+    after: tuple[int, ...] = (),
 ) -> Any:
     """``params`` (SamplingParams) with the constraint, once it compiled; ``checks`` are
-    compiled first so that a failure names the narrowest field."""
+    compiled first so that a failure names the narrowest field; ``after``: the tokens the
+    constraint waits for (server/reasoning.py)."""
     if constraint is None:
         return params
     if compiler is None:
         message = "this engine has no grammar compiler: structured outputs are off"
         raise invalid(message, constraint.param)
     await check_compiles(compiler, [*checks, constraint])
-    return dataclasses.replace(params, structured_outputs=constraint.spec())
+    return dataclasses.replace(params, structured_outputs=constraint.spec(after))

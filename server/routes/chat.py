@@ -15,10 +15,11 @@ from engine.request import SamplingParams
 from server.choice_output import OutputOptions
 from server.logprob_format import vllm_prompt_logprobs
 from server.protocol import ChatCompletionRequest
+from server.reasoning import ReasoningFormat
 from server.request_body import OffLoopBodyRoute
 from server.routes.context import Ctx, ServingContext
 from server.routes.generation import ChoiceUpdate, GenerationRun
-from server.routes.prompts import chat_prompt_ids, resolve_max_tokens, sampling_params
+from server.routes.prompts import chat_prompt, resolve_max_tokens, sampling_params
 from server.routes.streaming import (
     complete_or_abort,
     finite,
@@ -43,11 +44,25 @@ async def create_chat_completion(
     ctx: Ctx,
 ) -> JSONResponse | StreamingResponse:
     model = ctx.check_model(body.model)
+    run, chat = await launch_chat(ctx, request, body, new_id("chatcmpl"))
+    formatter = _ChatFormatter(ctx, run, model, body, chat)
+    if body.stream:
+        return await stream_when_started(request, run, formatter.events)
+    return await complete_or_abort(request, run, formatter.collect)
+
+
+async def launch_chat(
+    ctx: ServingContext, request: HTTPRequest, body: ChatCompletionRequest, request_id: str
+) -> tuple[GenerationRun, PreparedChat]:
+    """The one generation path of the chat, Responses and Messages routes: prepare the
+    request off the event loop, compile its constraint, submit it to the engine."""
     chat = await ctx.request_cpu.run(request, prepare_chat, ctx, body)
-    params = await constrained(ctx.grammar_compiler, chat.params, chat.constraint, chat.plan.checks)
+    params = await constrained(
+        ctx.grammar_compiler, chat.params, chat.constraint, chat.plan.checks, chat.after
+    )
     run = GenerationRun(
         ctx,
-        new_id("chatcmpl"),
+        request_id,
         [chat.prompt_ids],
         params,
         stop=body.stop_strings,
@@ -56,20 +71,21 @@ async def create_chat_completion(
         options=OutputOptions.from_request(body),
     )
     await run.submit()
-    formatter = _ChatFormatter(ctx, run, model, body, chat.plan)
-    if body.stream:
-        return await stream_when_started(request, run, formatter.events)
-    return await complete_or_abort(request, run, formatter.collect)
+    return run, chat
 
 
 @dataclass(frozen=True)
 class PreparedChat:
-    """A chat request turned into what the engine runs, before its grammar is compiled."""
+    """A chat request turned into what the engine runs, before its grammar is compiled:
+    also how its output splits into reasoning and answer (None: no reasoning parser), and
+    the tokens its constraint waits for (the end of the reasoning, server/reasoning.py)."""
 
     plan: ToolPlan
     constraint: Constraint | None
     prompt_ids: list[int]
     params: SamplingParams
+    reasoning: ReasoningFormat | None = None
+    after: tuple[int, ...] = ()
 
 
 def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> PreparedChat:
@@ -77,10 +93,17 @@ def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> PreparedCh
     the request's own CPU work, in one call the route makes from a worker thread."""
     plan = plan_tools(body, ctx.settings)
     constraint = output_constraint(plan, requested_constraints(body))
-    prompt_ids = chat_prompt_ids(ctx, body.messages, body, plan.tools)
-    max_tokens = resolve_max_tokens(ctx, len(prompt_ids), body.requested_max_tokens, "messages")
+    prompt = chat_prompt(ctx, body.messages, body, plan.tools)
+    max_tokens = resolve_max_tokens(ctx, len(prompt.ids), body.requested_max_tokens, "messages")
     params = sampling_params(ctx, body, max_tokens, body.num_logprobs)
-    return PreparedChat(plan, constraint, prompt_ids, params)
+    reasoning = ctx.settings.reasoning
+    if reasoning is None:
+        return PreparedChat(plan, constraint, prompt.ids, params)
+    reasoning = reasoning.for_prompt(prompt.text)
+    after = ()
+    if constraint is not None and reasoning.starts_inside:
+        after = reasoning.end_marker_ids(ctx.tokenizer)
+    return PreparedChat(plan, constraint, prompt.ids, params, reasoning, after)
 
 
 class _ChatFormatter:
@@ -90,15 +113,15 @@ class _ChatFormatter:
         run: GenerationRun,
         model: str,
         body: ChatCompletionRequest,
-        plan: ToolPlan,
+        chat: PreparedChat,
     ) -> None:
         self.ctx = ctx
         self.run = run
         self.model = model
         self.body = body
         self.created = now_unix()
-        # Each choice's text becomes content and tool calls (server/tools/output.py).
-        self.outputs = {c.index: choice_output(plan) for c in run.choices}
+        # Each choice's text becomes reasoning, content and tool calls (server/tools/output.py).
+        self.outputs = {c.index: choice_output(chat.plan, chat.reasoning) for c in run.choices}
         self.called_tools: set[int] = set()
 
         self.token_bytes = TokenBytes(ctx.tokenizer)

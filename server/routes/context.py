@@ -15,6 +15,13 @@ from server.settings import ServerSettings
 
 if TYPE_CHECKING:
     from server.metrics import RequestRecord, ServerMetrics
+    from server.responses.job import ResponsesState
+
+
+def _responses_state() -> ResponsesState:
+    from server.responses.job import ResponsesState
+
+    return ResponsesState()
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,8 @@ class ServingContext:
     chat_template: ChatTemplate | None = None  # built from settings when None
     # The worker threads of requests' own CPU work (server/request_cpu.py).
     request_cpu: RequestCpu = field(default_factory=RequestCpu)
+    # The Responses API's stored and running responses (server/responses/job.py).
+    responses: ResponsesState = field(default_factory=lambda: _responses_state())
 
     def template(self) -> ChatTemplate:
         """The chat template the routes render with (--chat-template or the model's)."""

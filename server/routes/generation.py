@@ -42,6 +42,7 @@ class ChoiceUpdate:
     finish_reason: str | None = None
     # Set when the choice was ended by the server (a stop string) rather than the engine.
     stopped_by_string: bool = False
+    stop_string: str | None = None  # which one (Anthropic's stop_sequence)
 
 
 class ChoiceTracker:
@@ -112,7 +113,9 @@ class ChoiceTracker:
             released = self._logprobs.release_all()
         else:
             released = self._logprobs.release(self._emitted_chars)
-        return ChoiceUpdate(self.index, text, released, self.finish_reason, match.stopped)
+        return ChoiceUpdate(
+            self.index, text, released, self.finish_reason, match.stopped, match.stop
+        )
 
     def _visible(self, delta: RequestDelta) -> tuple[list[int], list[TokenLogprob]]:
         """The delta's tokens (and logprobs) that belong to the text: as in vLLM, the

@@ -8,6 +8,7 @@ token ids): the routes call it from a worker thread, never on the event loop.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from engine.request import SamplingParams
@@ -42,26 +43,35 @@ def render_chat(
 def chat_options(
     body: ChatCompletionRequest, tools: Sequence[ToolDefinition] = ()
 ) -> ChatTemplateOptions:
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
     return ChatTemplateOptions(
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
-        kwargs=dict(body.chat_template_kwargs or {}),
+        kwargs=kwargs,
         tools=tuple(tools),
     )
 
 
-def chat_prompt_ids(
+@dataclass(frozen=True)
+class RenderedPrompt:
+    text: str
+    ids: list[int]
+
+
+def chat_prompt(
     ctx: ServingContext,
     messages: Sequence[ChatMessage],
     body: ChatCompletionRequest | None = None,
     tools: Sequence[ToolDefinition] = (),
-) -> list[int]:
+) -> RenderedPrompt:
     """Rendered and tokenised. The template already contains any BOS the model wants, so
     no special tokens are added unless the request asks (vLLM's add_special_tokens)."""
     options = chat_options(body, tools) if body is not None else None
     text = render_chat(ctx, messages, options=options)
     add_special = body.add_special_tokens if body is not None else False
-    return encode_text(ctx.tokenizer, text, add_special_tokens=add_special)
+    return RenderedPrompt(text, encode_text(ctx.tokenizer, text, add_special_tokens=add_special))
 
 
 def completion_prompts(ctx: ServingContext, body: CompletionRequest) -> list[list[int]]:

@@ -39,33 +39,50 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def named_sse(kind: str, payload: dict[str, Any]) -> str:
+    """A server-sent event with an ``event:`` line (the Responses and Messages streams)."""
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {kind}\ndata: {data}\n\n"
+
+
 def stream_response(
-    run: GenerationRun, events: Callable[[], AsyncIterator[str]]
+    run: GenerationRun,
+    events: Callable[[], AsyncIterator[str]],
+    *,
+    done: str | None = SSE_DONE,
+    error_event: Callable[[APIError], str] = APIError.sse_event,
 ) -> StreamingResponse:
     """Wrap a submitted run's SSE generator. Leaving the generator early (the client
     disconnected: Starlette cancels it) aborts the run; an engine failure after the
-    headers went out becomes an error event."""
+    headers went out becomes an error event (``error_event``: in the API's own shape);
+    ``done`` ends the stream (None: nothing after the last event)."""
 
     async def body() -> AsyncIterator[str]:
         try:
             async for event in events():
                 yield event
         except APIError as exc:
-            yield exc.sse_event()
+            yield error_event(exc)
         except Exception as exc:  # a bug or a fault after the headers: end the stream
-            # properly, with an OpenAI error event, instead of cutting the connection.
+            # properly, with an error event, instead of cutting the connection.
             logger.exception("a stream failed after it started")
             error = APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
-            yield error.sse_event()
+            yield error_event(error)
         finally:
             run.close()
-        yield SSE_DONE
+        if done is not None:
+            yield done
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 async def stream_when_started(
-    request: HTTPRequest, run: GenerationRun, events: Callable[[], AsyncIterator[str]]
+    request: HTTPRequest,
+    run: GenerationRun,
+    events: Callable[[], AsyncIterator[str]],
+    *,
+    done: str | None = SSE_DONE,
+    error_event: Callable[[APIError], str] = APIError.sse_event,
 ) -> JSONResponse | StreamingResponse:
     """Send the SSE headers only once the engine produced the run's first output, so an
     error before it (a queue timeout, a failed batch, a dead engine) keeps its HTTP
@@ -78,7 +95,7 @@ async def stream_when_started(
     except BaseException:
         run.close()
         raise
-    return stream_response(run, events)
+    return stream_response(run, events, done=done, error_event=error_event)
 
 
 async def complete_or_abort(

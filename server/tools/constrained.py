@@ -142,11 +142,15 @@ class RequiredCallsOutput:
         return events
 
     def finish(self) -> list[OutputEvent]:
+        """The end of the output. A call cut (max_tokens) before its name was whole is
+        dropped rather than reported with an empty name: the choice ends with
+        ``length``, never as a call of nothing."""
         events: list[OutputEvent] = []
-        if self._call is not None:  # truncated inside a call (max_tokens)
+        if self._call is not None:  # truncated inside a call
             if self._phase == "value":
                 events += self._end_value()
-            events += self._call.close()
+            if self._call.started:
+                events += self._call.close()
             self._call = None
         return events
 

@@ -22,6 +22,13 @@ class ContentText:
 
 
 @dataclass(frozen=True)
+class ReasoningText:
+    """Reasoning the model wrote before its answer (server/reasoning.py)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class ToolCallStart:
     """A tool call begins: its position among the choice's calls, id and function name."""
 
@@ -38,13 +45,15 @@ class ToolCallArguments:
     text: str
 
 
-OutputEvent = ContentText | ToolCallStart | ToolCallArguments
+OutputEvent = ContentText | ReasoningText | ToolCallStart | ToolCallArguments
 
 
 def delta_of(event: OutputEvent) -> dict[str, Any]:
     """The OpenAI streaming ``delta`` for one event."""
     if isinstance(event, ContentText):
         return {"content": event.text}
+    if isinstance(event, ReasoningText):
+        return {"reasoning": event.text}
     if isinstance(event, ToolCallStart):
         call = {
             "index": event.index,
@@ -60,11 +69,15 @@ def delta_of(event: OutputEvent) -> dict[str, Any]:
 class AssembledMessage:
     content: str
     tool_calls: list[dict[str, Any]]
+    reasoning: str | None = None  # None: the server splits no reasoning off
 
     def as_openai(self) -> dict[str, Any]:
         """The ``message`` of a chat completion: content is null when the choice only
-        called tools (whitespace around the calls is not an answer)."""
+        called tools (whitespace around the calls is not an answer); ``reasoning``
+        (vLLM's field) when a reasoning parser split some off."""
         message: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning is not None:
+            message["reasoning"] = self.reasoning
         if self.tool_calls:
             message["content"] = self.content if self.content.strip() else None
             message["tool_calls"] = self.tool_calls
@@ -74,10 +87,13 @@ class AssembledMessage:
 def assemble(events: Iterable[OutputEvent]) -> AssembledMessage:
     """Join a choice's events into its final content and tool calls."""
     content: list[str] = []
+    reasoning: list[str] = []
     calls: dict[int, dict[str, Any]] = {}
     for event in events:
         if isinstance(event, ContentText):
             content.append(event.text)
+        elif isinstance(event, ReasoningText):
+            reasoning.append(event.text)
         elif isinstance(event, ToolCallStart):
             calls[event.index] = {
                 "id": event.id,
@@ -86,4 +102,5 @@ def assemble(events: Iterable[OutputEvent]) -> AssembledMessage:
             }
         else:
             calls[event.index]["function"]["arguments"] += event.text
-    return AssembledMessage("".join(content), [calls[i] for i in sorted(calls)])
+    joined = "".join(reasoning) if reasoning else None
+    return AssembledMessage("".join(content), [calls[i] for i in sorted(calls)], joined)

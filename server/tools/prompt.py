@@ -75,8 +75,17 @@ def _named(message: Any, entry: dict[str, Any]) -> dict[str, Any]:
     return entry if name is None else {**entry, "name": name}
 
 
+def _with_reasoning(message: Any, entry: dict[str, Any]) -> dict[str, Any]:
+    """``entry`` with the message's earlier reasoning under the names templates read it
+    by (``reasoning_content``: Qwen3, DeepSeek-R1; ``thinking``: gpt-oss)."""
+    thinking = getattr(message, "thinking", None)
+    if thinking is None:
+        return entry
+    return {**entry, "reasoning_content": thinking, "thinking": thinking}
+
+
 def _native_message(message: Any) -> dict[str, Any]:
-    out: dict[str, Any] = _named(message, {"role": message.role, "content": message.text})
+    out = _with_reasoning(message, _named(message, {"role": message.role, "content": message.text}))
     if message.tool_calls:
         out["tool_calls"] = [
             {
@@ -112,9 +121,10 @@ def _generic_conversation(
                 for c in message.tool_calls
             ]
             text = "\n".join(([message.text] if message.text else []) + calls)
-            out.append({"role": "assistant", "content": text})
+            out.append(_with_reasoning(message, {"role": "assistant", "content": text}))
         else:
-            out.append(_named(message, {"role": message.role, "content": message.text}))
+            entry = _named(message, {"role": message.role, "content": message.text})
+            out.append(_with_reasoning(message, entry))
     for entry in out:
         entry.pop("_tool_results", None)
     if tools:
