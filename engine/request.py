@@ -7,9 +7,11 @@ different values of that counter.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -62,14 +64,37 @@ class StructuredOutputs:
     JSON object); ``regex``: the pattern; ``choice``: a JSON-encoded list of the allowed
     strings; ``grammar``: EBNF/GBNF text (root rule ``root``) as xgrammar accepts it.
     Hashable, so compiled grammars are cached by it.
+
+    ``after``: token ids that must appear in the output before the constraint applies (a
+    thinking model's end of reasoning, ``</think>``); the grammar then governs the tokens
+    that follow their first occurrence. Empty: from the first token.
     """
 
     kind: StructuredKind
     value: str = ""
+    after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
             raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}")
+
+    @property
+    def grammar_spec(self) -> StructuredOutputs:
+        """The grammar alone (what compiles and is cached), without ``after``."""
+        return dataclasses.replace(self, after=()) if self.after else self
+
+    def grammar_start(self, output_token_ids: Sequence[int]) -> int | None:
+        """Where the grammar's tokens begin in the output: 0 without ``after``, else just
+        past the first occurrence of ``after``; None while it has not appeared."""
+        marker = self.after
+        if not marker:
+            return 0
+        width = len(marker)
+        first = marker[0]
+        for index, token in enumerate(output_token_ids):
+            if token == first and tuple(output_token_ids[index : index + width]) == marker:
+                return index + width
+        return None
 
     @classmethod
     def choice(cls, options: list[str]) -> StructuredOutputs:

@@ -27,7 +27,9 @@ sequence is. The choices of an ``n > 1`` request are separate sequences with the
 request ids, so each gets its own matcher from the first token on.
 
 Rows without a grammar are untouched, and a batch without one pays for one scan of the
-row list.
+row list. A constraint with ``after`` (StructuredOutputs: a thinking model's end of
+reasoning) leaves its row free until those tokens appear in the output; the matcher then
+follows the tokens after them.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class _SequenceGrammar:
 
     matcher: xgr.GrammarMatcher
     slot: int
+    start: int | None = 0  # where the grammar's tokens begin in the output (None: not yet)
     accepted: list[int] = field(default_factory=list)
     version: int = 0  # bumped by every change of the matcher's history
     filled_version: int = -1  # the version the slot's mask belongs to
@@ -133,15 +136,22 @@ class GrammarDecoding:
     def mask(self, logits: torch.Tensor, rows: Sequence[ConstrainedRow]) -> int:
         """Set the logits the grammars disallow to -inf, in place, for all constrained rows
         at once. Returns how many rows were masked."""
-        constrained = [i for i, row in enumerate(rows) if row.params.structured_outputs]
-        if not constrained:
+        candidates = [i for i, row in enumerate(rows) if row.params.structured_outputs]
+        if not candidates:
             return 0
         self._wait_for_filler()
-        states = []
-        for i in constrained:
+        constrained, states = [], []
+        for i in candidates:
             state = self._state(rows[i])
-            state.sync(rows[i].output_token_ids)
+            output = rows[i].output_token_ids
+            if not self._started(state, rows[i].params, output):
+                continue  # still before the constraint's ``after`` tokens
+            assert state.start is not None
+            state.sync(output[state.start :])
+            constrained.append(i)
             states.append(state)
+        if not states:
+            return 0
         stale = [state for state in states if not state.mask_is_current]
         self._fill(stale)
         self.rows_filled_ahead += len(states) - len(stale)
@@ -156,7 +166,7 @@ class GrammarDecoding:
         picked = [
             (row.request_id, self._sequences[row.request_id], token)
             for row, token in zip(rows, token_ids, strict=True)
-            if row.params.structured_outputs
+            if row.params.structured_outputs and self._sequences[row.request_id].start is not None
         ]
         self._wait_for_filler()
         completed: set[str] = set()
@@ -208,10 +218,22 @@ class GrammarDecoding:
             spec = row.params.structured_outputs
             assert spec is not None
             # A cache hit when the server compiled the spec before submitting.
-            compiled = self.compiler.compile(spec)
+            compiled = self.compiler.compile(spec.grammar_spec)
             state = _SequenceGrammar(xgr.GrammarMatcher(compiled.grammar), self._take_slot())
+            state.start = None if spec.after else 0
             self._sequences[row.request_id] = state
         return state
+
+    @staticmethod
+    def _started(state: _SequenceGrammar, params: SamplingParams, output: list[int]) -> bool:
+        """Whether the grammar governs this row now: at once, or once the constraint's
+        ``after`` tokens are in the output (found again if a rollback undid them)."""
+        spec = params.structured_outputs
+        if spec is None or not spec.after:
+            return True
+        if state.start is None or state.start > len(output):
+            state.start = spec.grammar_start(output)
+        return state.start is not None
 
     def _take_slot(self) -> int:
         """A free row of the slot tensor, doubling it when none is left (only while no

@@ -515,3 +515,36 @@ def test_failed_compiles_are_not_cached_and_raise_for_every_waiter(compiler):
         with pytest.raises(GrammarError):
             compiler.compile(bad)
     assert not compiler.cached(bad)
+
+
+def test_a_constraint_with_after_waits_for_those_tokens(compiler, smollm_tokenizer):
+    """``StructuredOutputs.after`` (a thinking model's end of reasoning): the row is free
+    until the marker tokens are in the output, then the grammar governs what follows them
+    (and is found again when a rollback took the marker away)."""
+    marker = tuple(smollm_tokenizer.encode("</think>", add_special_tokens=False))
+    choice = StructuredOutputs("choice", json.dumps(["yes", "no"]), after=marker)
+    decoding = GrammarDecoding(compiler)
+    (row,) = rows_for([choice])
+    generator = torch.Generator().manual_seed(1)
+
+    def step(token: int | None = None) -> torch.Tensor:
+        logits = torch.randn(1, compiler.vocab_size, generator=generator)
+        original = logits.clone()
+        decoding.mask(logits, [row])
+        chosen = int(logits.argmax()) if token is None else token
+        decoding.accept([row], [chosen])
+        row.output_token_ids.append(chosen)
+        return torch.equal(logits, original)
+
+    free = smollm_tokenizer.encode("Some reasoning here", add_special_tokens=False)
+    for token in free:  # reasoning: nothing masked, whatever the tokens
+        assert step(token)
+    for token in marker:
+        assert step(token)
+    assert not step()  # the grammar now masks the first answer token
+    answer = smollm_tokenizer.decode(row.output_token_ids[len(free) + len(marker) :])
+    assert "yes".startswith(answer) or "no".startswith(answer)
+    del row.output_token_ids[len(free) :]  # a rollback to before the marker
+    assert step(free[0])
+    assert choice.grammar_spec == StructuredOutputs("choice", json.dumps(["yes", "no"]))
+    assert choice.grammar_start(row.output_token_ids) is None
