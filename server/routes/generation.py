@@ -31,6 +31,11 @@ from server.routes.context import ServingContext
 T = TypeVar("T")
 
 
+class _Closed(Exception):
+    """Put in a run's event queue by ``close``: wakes an iteration waiting for events
+    that will not come (the run was aborted from elsewhere: ``/cancel``)."""
+
+
 @dataclass
 class ChoiceUpdate:
     """New output of one choice: final text, the logprobs of its new tokens, and the
@@ -181,6 +186,7 @@ class GenerationRun:
         self._events: asyncio.Queue[tuple[int, list[RequestDelta]] | BaseException] = (
             asyncio.Queue()
         )
+        self._closed = False
         n = params.n
         self.groups = [
             _Group(
@@ -278,6 +284,8 @@ class GenerationRun:
     async def _updates(self) -> AsyncIterator[ChoiceUpdate]:
         while not self.all_finished:
             item = await self._next_event()
+            if isinstance(item, _Closed):
+                break
             if isinstance(item, EngineDeadError):
                 self._abandon_all("error")
                 raise engine_dead(item, in_flight=True)
@@ -323,11 +331,15 @@ class GenerationRun:
 
     # ------------------------------------------------------------------ closing
     def close(self) -> None:
-        """Abort what still runs (client gone, error, shutdown) and record metrics."""
+        """Abort what still runs (client gone, error, shutdown, ``/cancel``) and record
+        metrics; an iteration still waiting ends."""
         self._abandon_all("abort")
         for group in self.groups:
             self._close_group(group)
         self._record_all()
+        if not self._closed:
+            self._closed = True
+            self._events.put_nowait(_Closed())
 
     def _close_group(self, group: _Group) -> None:
         if group.pump is not None and not group.pump.done():

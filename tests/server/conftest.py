@@ -210,3 +210,30 @@ def kvserve_process(
         if process.poll() is None:
             process.kill()
             process.wait(10)
+
+
+# -- the agent-API servers (tests/server/agents.py) ----------------------------------------
+
+
+@pytest.fixture(scope="session")
+def scripted_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer: Any) -> Path:
+    from tests.server.agents import make_scripted_dir
+
+    return make_scripted_dir(tmp_path_factory.mktemp("scripted"), smollm_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def scripted_built(scripted_dir: Path) -> Any:
+    from engine.builder import build_engine
+    from tests.server.agents import scripted_args
+
+    return build_engine(scripted_args(scripted_dir))
+
+
+@pytest.fixture(scope="session")
+def agent_server(scripted_built: Any) -> Iterator[LiveServer]:
+    """The scripted model with --reasoning-parser qwen3 and hermes tool calls."""
+    from tests.server.agents import agent_settings
+
+    with live_server(scripted_built, agent_settings()) as live:
+        yield live
