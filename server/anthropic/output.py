@@ -5,8 +5,9 @@ Blocks open as their events arrive and close when another kind starts or the out
 ``thinking`` (reasoning), ``text``, one ``tool_use`` per call (its input streamed as
 ``input_json_delta``). Whitespace before the first text is held back and dropped if a
 tool call comes first. ``stop_reason``: ``tool_use`` after calls, ``max_tokens`` when the
-token limit cut the output, ``stop_sequence`` (naming it) when a stop sequence did, else
-``end_turn``.
+token limit cut the output (``model_context_window_exceeded`` when the context's end came
+first: a ``max_tokens`` past it is cut to it, as Anthropic's models do), ``stop_sequence``
+(naming it) when a stop sequence did, else ``end_turn``.
 """
 
 from __future__ import annotations
@@ -138,9 +139,12 @@ def _parsed_input(text: str) -> dict[str, Any]:
 class MessageJob:
     """A submitted run and the Anthropic message it answers with."""
 
-    def __init__(self, run: GenerationRun, choice: ChoiceOutput, model: str) -> None:
+    def __init__(
+        self, run: GenerationRun, choice: ChoiceOutput, model: str, window_bound: bool = False
+    ) -> None:
         self.run = run
         self.model = model
+        self.window_bound = window_bound  # the budget is what the context had left
         self.id = new_message_id()
         self.output = MessageOutput()
         self._choice = choice
@@ -187,7 +191,8 @@ class MessageJob:
         if update is not None and update.stop_string is not None:
             return {"stop_reason": "stop_sequence", "stop_sequence": update.stop_string}
         if reason == "length":
-            return {"stop_reason": "max_tokens", "stop_sequence": None}
+            cause = "model_context_window_exceeded" if self.window_bound else "max_tokens"
+            return {"stop_reason": cause, "stop_sequence": None}
         if self.output.called_tools:
             return {"stop_reason": "tool_use", "stop_sequence": None}
         return {"stop_reason": "end_turn", "stop_sequence": None}

@@ -10,7 +10,8 @@ by the API, though the current SDK sends them only as ``extra_body``), ``thinkin
 the template's ``enable_thinking``), ``output_config`` (``format`` a JSON schema, through
 the constrained decoding; ``effort`` to the template's ``reasoning_effort``),
 ``stream``. Accepted without effect: ``metadata``, ``service_tier``, ``speed``,
-``inference_geo``, ``cache_control`` anywhere (kvserve's prefix cache needs no markers),
+``inference_geo``, ``context_management`` (kvserve clears nothing from the context),
+``cache_control`` anywhere (kvserve's prefix cache needs no markers),
 ``citations``, a tool's ``strict`` (its schema binds a forced call anyway),
 ``eager_input_streaming`` (inputs always stream), ``defer_loading``, ``input_examples``
 and ``allowed_callers``. Refused by name, never ignored: image and document blocks,
@@ -26,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, model_validato
 
 from server.protocol import INT64_MAX, MAX_STOP_STRINGS
 
-UNSUPPORTED_FIELDS = ("container", "mcp_servers", "context_management", "diagnostics")
+UNSUPPORTED_FIELDS = ("container", "mcp_servers", "diagnostics")
 
 
 class StrictModel(BaseModel):
@@ -91,7 +92,9 @@ BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking
 
 
 class Message(StrictModel):
-    role: Literal["user", "assistant"]
+    """A turn. ``system`` turns mid-conversation (a beta Claude Code uses) are text."""
+
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
     @model_validator(mode="before")
@@ -113,6 +116,8 @@ class Message(StrictModel):
         if isinstance(self.content, str):
             return self
         for block in self.content:
+            if self.role == "system" and not isinstance(block, TextBlock):
+                raise ValueError(f"'{block.type}' blocks do not belong in a system turn")
             if self.role == "user" and isinstance(block, ToolUseBlock | ThinkingBlock):
                 raise ValueError(f"'{block.type}' blocks belong to assistant messages")
             if self.role == "assistant" and isinstance(block, ToolResultBlock):
@@ -180,6 +185,9 @@ class CountTokensRequest(StrictModel):
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     cache_control: CacheControl | None = None
+    # Anthropic's context editing (clearing old tool results as the context fills):
+    # kvserve keeps the whole conversation, so honouring none of it loses nothing.
+    context_management: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod

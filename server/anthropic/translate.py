@@ -40,6 +40,8 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
     for message in body.messages:
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
+        elif message.role == "system":
+            out.append({"role": "system", "content": "\n".join(b.text for b in message.content)})
         elif message.role == "user":
             out += _user_turn(message.content)
         else:

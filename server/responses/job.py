@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.responses.output import ResponseOutput, Sequencer
-from server.responses.protocol import ResponsesRequest
+from server.responses.protocol import ResponsesRequest, flat_name
 from server.responses.store import ResponseStore, StoredResponse
+from server.responses.translate import call_names
 from server.routes.generation import ChoiceUpdate, GenerationRun
 from server.routes.streaming import named_sse
 from server.tools.output import ChoiceOutput, choice_output
@@ -57,7 +58,7 @@ class ResponseJob:
         self.model = model
         self.conversation = conversation
         self.created_at = int(time.time())
-        self.output = ResponseOutput(Sequencer())
+        self.output = ResponseOutput(Sequencer(), call_names(body))
         self._choice: ChoiceOutput = choice_output(chat.plan, chat.reasoning)
         self.status = "in_progress"
         self.cancelled = False
@@ -159,7 +160,10 @@ class ResponseJob:
             {
                 "id": item["call_id"],
                 "type": "function",
-                "function": {"name": item["name"], "arguments": item["arguments"]},
+                "function": {
+                    "name": flat_name(item.get("namespace"), item["name"]),
+                    "arguments": item["arguments"],
+                },
             }
             for item in self.output.items
             if item["type"] == "function_call"
@@ -202,7 +206,9 @@ class ResponseJob:
             "temperature": body.temperature,
             "text": _text_config(body),
             "tool_choice": _tool_choice(body),
-            "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or ()],
+            "tools": [
+                tool.model_dump(by_alias=True, exclude_none=True) for tool in body.tools or ()
+            ],
             "top_p": body.top_p,
             "truncation": "disabled",
             "usage": self._usage() if self.status != "in_progress" else None,

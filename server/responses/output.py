@@ -44,8 +44,11 @@ class Sequencer:
 class ResponseOutput:
     """Output items built from one choice's events."""
 
-    def __init__(self, sequencer: Sequencer) -> None:
+    def __init__(
+        self, sequencer: Sequencer, names: dict[str, tuple[str | None, str]] | None = None
+    ) -> None:
         self.seq = sequencer
+        self._names = names or {}  # chat names of namespaced functions -> (namespace, name)
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None
         self._text = ""  # the open item's text or arguments so far
@@ -149,14 +152,17 @@ class ResponseOutput:
         ]
 
     def _open_call(self, start: ToolCallStart) -> list[Event]:
+        namespace, name = self._names.get(start.name, (None, start.name))
         item = {
             "id": new_item_id("fc"),
             "type": "function_call",
             "status": "in_progress",
             "call_id": start.id,
-            "name": start.name,
+            "name": name,
             "arguments": "",
         }
+        if namespace is not None:
+            item["namespace"] = namespace
         self._open, self._text = item, ""
         added = self.seq.event(
             "response.output_item.added", output_index=len(self.items), item=dict(item)

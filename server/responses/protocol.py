@@ -80,6 +80,7 @@ class FunctionCallItem(StrictModel):
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
     arguments: str
+    namespace: str | None = None  # the function of a namespace tool
     id: str | None = None
     status: str | None = None
 
@@ -159,6 +160,27 @@ class FunctionTool(StrictModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    # Accepted without effect: who may call it, deferred loading, the output's schema.
+    allowed_callers: list[str] | None = None
+    async_: bool | None = Field(None, alias="async")
+    defer_loading: bool | None = None
+    output_schema: dict[str, Any] | None = None
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class NamespaceTool(StrictModel):
+    """A named group of functions (Codex sends its agent tools so). Each function reaches
+    the model as ``<namespace>__<name>``; its calls come back with ``namespace`` set."""
+
+    type: Literal["namespace"]
+    name: str = Field(min_length=1, max_length=30)
+    description: str | None = None
+    tools: list[FunctionTool] = Field(min_length=1)
+
+
+Tool = Annotated[FunctionTool | NamespaceTool, Discriminator("type")]
+NAMESPACE_SEPARATOR = "__"
 
 
 class FunctionChoice(StrictModel):
@@ -213,7 +235,7 @@ class ResponsesRequest(StrictModel):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
@@ -237,6 +259,7 @@ class ResponsesRequest(StrictModel):
     safety_identifier: str | None = None
     include: list[str] | None = None
     truncation: Literal["disabled", "auto"] | None = None
+    client_metadata: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -249,9 +272,10 @@ class ResponsesRequest(StrictModel):
         check_known_types(data.get("input"))
         for i, tool in enumerate(data.get("tools") or ()):
             kind = tool.get("type") if isinstance(tool, dict) else None
-            if kind != "function":
+            if kind not in ("function", "namespace"):
                 raise ValueError(
-                    f"tools.{i}: tools of type {kind!r} are not supported (only 'function')"
+                    f"tools.{i}: tools of type {kind!r} are not supported "
+                    "(only 'function' and 'namespace' of functions)"
                 )
         return {key: value for key, value in data.items() if value is not None}
 
@@ -274,3 +298,18 @@ class ResponsesRequest(StrictModel):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def functions(self) -> list[tuple[str | None, FunctionTool]]:
+        """Every function offered, with its namespace (None for a plain function tool)."""
+        out: list[tuple[str | None, FunctionTool]] = []
+        for tool in self.tools or ():
+            if isinstance(tool, NamespaceTool):
+                out += [(tool.name, function) for function in tool.tools]
+            else:
+                out.append((None, tool))
+        return out
+
+
+def flat_name(namespace: str | None, name: str) -> str:
+    """The name a (namespaced) function has in the chat request the model sees."""
+    return name if namespace is None else f"{namespace}{NAMESPACE_SEPARATOR}{name}"

@@ -31,6 +31,7 @@ from server.responses.protocol import (
     ResponsesRequest,
     TextFormatJsonObject,
     TextFormatJsonSchema,
+    flat_name,
 )
 
 Message = dict[str, Any]
@@ -53,7 +54,10 @@ def items_to_messages(items: Sequence[InputItem]) -> list[Message]:
             call = {
                 "id": item.call_id,
                 "type": "function",
-                "function": {"name": item.name, "arguments": item.arguments},
+                "function": {
+                    "name": flat_name(item.namespace, item.name),
+                    "arguments": item.arguments,
+                },
             }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and not last.get("_closed"):
@@ -133,7 +137,7 @@ def _tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
             "function": {
                 key: value
                 for key, value in {
-                    "name": tool.name,
+                    "name": flat_name(namespace, tool.name),
                     "description": tool.description,
                     "parameters": tool.parameters,
                     "strict": tool.strict,
@@ -141,8 +145,13 @@ def _tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
                 if value is not None
             },
         }
-        for tool in body.tools
+        for namespace, tool in body.functions()
     ]
+
+
+def call_names(body: ResponsesRequest) -> dict[str, tuple[str | None, str]]:
+    """The chat name of each offered function -> (its namespace, its own name)."""
+    return {flat_name(ns, tool.name): (ns, tool.name) for ns, tool in body.functions()}
 
 
 def _tool_choice(body: ResponsesRequest) -> Any:

@@ -52,11 +52,17 @@ async def create_chat_completion(
 
 
 async def launch_chat(
-    ctx: ServingContext, request: HTTPRequest, body: ChatCompletionRequest, request_id: str
+    ctx: ServingContext,
+    request: HTTPRequest,
+    body: ChatCompletionRequest,
+    request_id: str,
+    *,
+    up_to_context: bool = False,
 ) -> tuple[GenerationRun, PreparedChat]:
     """The one generation path of the chat, Responses and Messages routes: prepare the
-    request off the event loop, compile its constraint, submit it to the engine."""
-    chat = await ctx.request_cpu.run(request, prepare_chat, ctx, body)
+    request off the event loop, compile its constraint, submit it to the engine
+    (``up_to_context``: a token budget past the context is cut to it, not refused)."""
+    chat = await ctx.request_cpu.run(request, prepare_chat, ctx, body, up_to_context)
     params = await constrained(
         ctx.grammar_compiler, chat.params, chat.constraint, chat.plan.checks, chat.after
     )
@@ -88,13 +94,18 @@ class PreparedChat:
     after: tuple[int, ...] = ()
 
 
-def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> PreparedChat:
+def prepare_chat(
+    ctx: ServingContext, body: ChatCompletionRequest, up_to_context: bool = False
+) -> PreparedChat:
     """Tools, output constraint, rendered and tokenized prompt, sampling parameters: all
     the request's own CPU work, in one call the route makes from a worker thread."""
     plan = plan_tools(body, ctx.settings)
     constraint = output_constraint(plan, requested_constraints(body))
     prompt = chat_prompt(ctx, body.messages, body, plan.tools)
-    max_tokens = resolve_max_tokens(ctx, len(prompt.ids), body.requested_max_tokens, "messages")
+    requested = body.requested_max_tokens
+    max_tokens = resolve_max_tokens(
+        ctx, len(prompt.ids), requested, "messages", up_to_context=up_to_context
+    )
     params = sampling_params(ctx, body, max_tokens, body.num_logprobs)
     reasoning = ctx.settings.reasoning
     if reasoning is None:

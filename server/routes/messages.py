@@ -31,8 +31,11 @@ async def create_message(
     body: MessagesRequest, request: HTTPRequest, ctx: Ctx
 ) -> JSONResponse | StreamingResponse:
     model = ctx.check_model(body.model)
-    run, chat = await launch_chat(ctx, request, chat_request(body), new_message_id())
-    job = MessageJob(run, choice_output(chat.plan, chat.reasoning), model)
+    run, chat = await launch_chat(
+        ctx, request, chat_request(body), new_message_id(), up_to_context=True
+    )
+    window_bound = chat.params.max_tokens < body.max_tokens
+    job = MessageJob(run, choice_output(chat.plan, chat.reasoning), model, window_bound)
     if body.stream:
         return await stream_when_started(
             request, run, job.stream, done=None, error_event=_error_event

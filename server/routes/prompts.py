@@ -108,9 +108,16 @@ def check_token_ids(ctx: ServingContext, ids: Sequence[int], param: str) -> None
 
 
 def resolve_max_tokens(
-    ctx: ServingContext, prompt_len: int, requested: int | None, param: str
+    ctx: ServingContext,
+    prompt_len: int,
+    requested: int | None,
+    param: str,
+    *,
+    up_to_context: bool = False,
 ) -> int:
-    """The completion budget: checked against the context, or all that is left of it."""
+    """The completion budget: checked against the context, or all that is left of it;
+    with ``up_to_context`` a request for more than is left gets what is left (Anthropic's
+    models stop at the end of their window instead of refusing)."""
     limit = ctx.max_model_len
     if prompt_len >= limit:
         raise APIError(
@@ -123,6 +130,8 @@ def resolve_max_tokens(
         )
     if requested is None:
         return limit - prompt_len
+    if up_to_context:
+        return min(requested, limit - prompt_len)
     if prompt_len + requested > limit:
         raise APIError(
             400,

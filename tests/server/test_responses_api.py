@@ -231,3 +231,44 @@ def test_bad_requests_are_400s_naming_what_is_wrong(
     resp = httpx.post(f"{agent_server.v1}/responses", json={"model": MODEL, **body})
     assert resp.status_code == 400, resp.text
     assert needle in resp.json()["error"]["message"]
+
+
+def test_namespace_tools_call_back_with_their_namespace(agent_server: LiveServer) -> None:
+    """Codex groups tools in namespaces: the model sees ``<namespace>__<name>``, the call
+    comes back as the namespace's function, and goes into the history the same way."""
+    lookup = {
+        "type": "function",
+        "name": "lookup",
+        "parameters": {
+            "type": "object",
+            "properties": {"key": {"enum": ["a", "b"]}},
+            "required": ["key"],
+            "additionalProperties": False,
+        },
+    }
+    tools = [{"type": "namespace", "name": "store", "description": "A store.", "tools": [lookup]}]
+    client = sdk(agent_server)
+    first = client.responses.create(
+        model=MODEL,
+        input="Look it up.",
+        tools=tools,  # type: ignore[arg-type]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=60,
+    )
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert (call.name, call.namespace) == ("lookup", "store")
+    history = [
+        {"role": "user", "content": "Look it up."},
+        {
+            "type": "function_call",
+            "call_id": call.call_id,
+            "name": "lookup",
+            "namespace": "store",
+            "arguments": call.arguments,
+        },
+        {"type": "function_call_output", "call_id": call.call_id, "output": "found"},
+    ]
+    follow = client.responses.create(model=MODEL, input=history, tools=tools, temperature=0)  # type: ignore[arg-type]
+    assert follow.output_text == ANSWER
