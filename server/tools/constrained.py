@@ -147,12 +147,20 @@ class RequiredCallsOutput:
         ``length``, never as a call of nothing."""
         events: list[OutputEvent] = []
         if self._call is not None:  # truncated inside a call
-            if self._phase == "value":
+            if self._phase == "value" and not (self._key == "name" and not self._whole_name()):
                 events += self._end_value()
             if self._call.started:
                 events += self._call.close()
             self._call = None
         return events
+
+    def _whole_name(self) -> bool:
+        """Whether the name value read so far is a complete, non-empty JSON string."""
+        try:
+            name = json.loads(self._value.strip())
+        except ValueError:
+            return False
+        return isinstance(name, str) and bool(name)
 
     # ------------------------------------------------------------------ scanning
     def _char(self, ch: str) -> list[OutputEvent]:

@@ -272,3 +272,28 @@ def test_namespace_tools_call_back_with_their_namespace(agent_server: LiveServer
     ]
     follow = client.responses.create(model=MODEL, input=history, tools=tools, temperature=0)  # type: ignore[arg-type]
     assert follow.output_text == ANSWER
+
+
+def test_a_forced_call_cut_by_the_token_limit_is_reported_as_cut(agent_server: LiveServer) -> None:
+    """Cut before the function's name was whole: ``length`` / ``incomplete``, and no call
+    of an empty name on any route."""
+    client = sdk(agent_server)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="required",
+        max_tokens=2,
+    )
+    choice = chat.choices[0]
+    assert choice.finish_reason == "length"
+    assert all(call.function.name for call in choice.message.tool_calls or [])
+    response = client.responses.create(
+        model=MODEL,
+        input="Weather?",
+        tools=FUNCTION_TOOLS,
+        tool_choice="required",
+        max_output_tokens=2,  # type: ignore[arg-type]
+    )
+    assert response.status == "incomplete"
+    assert all(item.name for item in response.output if item.type == "function_call")

@@ -207,3 +207,17 @@ def test_required_streams_argument_fragments_as_they_come():
 def test_required_truncated_output_keeps_what_was_generated():
     message = run(RequiredCallsOutput(parallel=False), ['{"name": "add", "arguments": {"a": 1'])
     assert message["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1'}
+
+
+@pytest.mark.parametrize("cut", ['{"na', '[{"name": "get_we', '{"name"', ""])
+def test_a_required_call_cut_before_its_name_is_dropped(cut: str) -> None:
+    """max_tokens ended the output before the call's name was whole: no call of an empty
+    name is reported (the choice finishes with ``length``)."""
+    message = run(RequiredCallsOutput(parallel=cut.startswith("[")), [cut])
+    assert "tool_calls" not in message
+
+
+def test_a_required_call_cut_in_its_arguments_keeps_its_name() -> None:
+    message = run(RequiredCallsOutput(parallel=False), ['{"name": "add", "arguments": {"a": 1'])
+    (call,) = message["tool_calls"]
+    assert call["function"]["name"] == "add" and call["function"]["arguments"] == '{"a": 1'
