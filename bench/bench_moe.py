@@ -12,15 +12,24 @@ rounds, and the table gives medians and the MoE / dense ratio.
     PYTHONPATH=. .venv/bin/python bench/bench_moe.py --dtype bfloat16
     PYTHONPATH=. .venv/bin/python bench/bench_moe.py --quantization int4 --dtype float32
 
-The models' directories are what ``bench/compare_servers.py`` and llama.cpp's converter
-take for the server-level runs (docs/BENCHMARKS.md).
+``--serve`` runs the load tests instead, through the servers: ``kvserve serve`` on each
+model and, given ``--llama-server BINARY --gguf FILE`` (the MoE converted with llama.cpp's
+``convert_hf_to_gguf.py``), llama.cpp's server on the MoE; one at a time, ``--rounds``
+rounds in rotation; ``kvserve-loadtest`` with one conversation and with 32.
+
+    PYTHONPATH=. .venv/bin/python bench/bench_moe.py --serve --dtype bfloat16 \
+        --llama-server /tmp/llama-server/bin/llama-server --gguf /tmp/moe-bf16.gguf
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +37,8 @@ from bench.bench_engine import make_prompts, run_kvserve
 from bench.bench_hybrid_kv import cpu_description
 from engine.builder import build_engine, find_embedded_model
 from engine.config import EngineArgs
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def make_models(args: argparse.Namespace) -> dict[str, Path]:
@@ -128,6 +139,107 @@ def format_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def server_commands(
+    args: argparse.Namespace, paths: dict[str, Path], port: int
+) -> dict[str, list[str]]:
+    """The command line of every server the load tests compare."""
+    kvserve = [
+        sys.executable, "-m", "server.cli", "serve", "--port", str(port),
+        "--dtype", args.dtype, "--quantization", args.quantization,
+        "--max-model-len", "4096", "--kv-cache-memory", "1", "--swap-space", "0",
+        "--max-num-seqs", "32",
+    ]  # fmt: skip
+    commands = {
+        f"kvserve {name}": [*kvserve, "--model", str(path), "--served-model-name", name]
+        for name, path in paths.items()
+    }
+    if args.llama_server and args.gguf:
+        commands["llama-server moe"] = [
+            args.llama_server, "--model", str(args.gguf), "--port", str(port),
+            "--host", "127.0.0.1", "-np", "32", "-c", str(32 * 2048), "-t", str(args.threads),
+            "--jinja", "--alias", "moe",
+        ]  # fmt: skip
+    return commands
+
+
+def load_run(url: str, concurrency: int, out: Path) -> dict[str, Any]:
+    """One kvserve-loadtest run; the summary of its JSON."""
+    turns = 4 if concurrency == 1 else 2
+    command = [
+        sys.executable, "-m", "loadtest", "--url", url, "-c", str(concurrency), "-t", str(turns),
+        "--user-len", "64", "--max-tokens", "64", "--ignore-eos", "--no-progress",
+        "--request-timeout", "1200", "--json", str(out),
+    ]  # fmt: skip
+    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    summary = json.loads(out.read_text())["summary"]
+    return {
+        "itl_p50_s": summary["latency_s"]["itl"]["p50"],
+        "tpot_p50_s": summary["latency_s"]["tpot"]["p50"],
+        "output_tokens_per_s": summary["throughput"]["output_tokens_per_s"],
+        "ttft_p50_s": summary["latency_s"]["ttft"]["p50"],
+        "completed": summary["requests"]["completed"],
+    }
+
+
+def serve_and_load(args: argparse.Namespace, paths: dict[str, Path]) -> dict[str, Any]:
+    port = 8741
+    url = f"http://127.0.0.1:{port}"
+    out = args.out or Path("bench/results/moe")
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    commands = server_commands(args, paths, port)
+    names = list(commands)
+    for round_index in range(args.rounds):
+        order = names[round_index % len(names) :] + names[: round_index % len(names)]
+        for name in order:
+            log = (out / f"serve-{name.replace(' ', '-')}.log").open("a")
+            server = subprocess.Popen(
+                commands[name], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+            )
+            try:
+                wait_healthy(url, server)
+                for concurrency in (1, 32):
+                    tag = f"{name.replace(' ', '-')}-c{concurrency}-r{round_index}"
+                    row = load_run(url, concurrency, out / f"loadtest-{tag}.json")
+                    results.setdefault(name, {}).setdefault(str(concurrency), []).append(row)
+            finally:
+                server.terminate()
+                server.wait(60)
+                log.close()
+    return {"load": results}
+
+
+def wait_healthy(url: str, server: subprocess.Popen[bytes]) -> None:
+    import httpx
+
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError("the server exited; see its log")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError("the server did not become healthy")
+
+
+def format_load(summary: dict[str, Any]) -> str:
+    lines = [
+        f"CPU: {summary['cpu']}",
+        "",
+        "| server | 1 conversation: ITL p50 | 32 conversations: TPOT p50 | 32: output tok/s |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, by_c in summary["load"].items():
+        single = statistics.median(r["itl_p50_s"] for r in by_c["1"]) * 1e3
+        tpot = statistics.median(r["tpot_p50_s"] for r in by_c["32"]) * 1e3
+        rate = statistics.median(r["output_tokens_per_s"] for r in by_c["32"])
+        lines.append(f"| {name} | {single:.2f} ms | {tpot:.1f} ms | {rate:.1f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", type=Path, default=Path("build/moe-bench"))
@@ -143,14 +255,19 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--serve", action="store_true", help="load tests through the servers")
+    parser.add_argument("--rounds", type=int, default=1, help="--serve: rounds in rotation")
+    parser.add_argument("--llama-server", default=None, help="--serve: llama-server binary")
+    parser.add_argument("--gguf", type=Path, default=None, help="--serve: the MoE as a GGUF")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     args = parser.parse_args()
     paths = make_models(args)
     summary = {"cpu": cpu_description(), "args": {k: str(v) for k, v in vars(args).items()}}
-    summary |= measure(paths, args)
+    summary |= serve_and_load(args, paths) if args.serve else measure(paths, args)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(format_table(summary))
+    print(format_load(summary) if args.serve else format_table(summary))
 
 
 if __name__ == "__main__":
