@@ -150,7 +150,7 @@ def run_load(model: Path, args: argparse.Namespace, hybrid: bool, out: Path) -> 
     log = (out / f"serve-{'hybrid' if hybrid else 'full'}.log").open("w")
     server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}", server)
+        wait_healthy(f"http://127.0.0.1:{port}", server)
         result = out / f"loadtest-{'hybrid' if hybrid else 'full'}.json"
         load = [
             sys.executable, "-m", "loadtest", "--url", f"http://127.0.0.1:{port}",
@@ -167,7 +167,7 @@ def run_load(model: Path, args: argparse.Namespace, hybrid: bool, out: Path) -> 
         log.close()
 
 
-def _wait_healthy(url: str, server: subprocess.Popen[bytes]) -> None:
+def wait_healthy(url: str, server: subprocess.Popen[bytes]) -> None:
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if server.poll() is not None:

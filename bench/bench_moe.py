@@ -29,12 +29,11 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from bench.bench_engine import make_prompts, run_kvserve
-from bench.bench_hybrid_kv import cpu_description
+from bench.bench_hybrid_kv import cpu_description, wait_healthy
 from engine.builder import build_engine, find_embedded_model
 from engine.config import EngineArgs
 
@@ -207,22 +206,6 @@ def serve_and_load(args: argparse.Namespace, paths: dict[str, Path]) -> dict[str
                 server.wait(60)
                 log.close()
     return {"load": results}
-
-
-def wait_healthy(url: str, server: subprocess.Popen[bytes]) -> None:
-    import httpx
-
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError("the server exited; see its log")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError("the server did not become healthy")
 
 
 def format_load(summary: dict[str, Any]) -> str:

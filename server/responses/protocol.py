@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from server.protocol import INT64_MAX, MAX_STOP_STRINGS
+from server.protocol import INT64_MAX
 
 # Fields of OpenAI's request that kvserve does not run: refused by name.
 UNSUPPORTED_FIELDS = (
@@ -243,7 +243,7 @@ class ResponsesRequest(StrictModel):
     max_output_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = None  # checked as chat checks it (translate.py)
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -285,19 +285,9 @@ class ResponsesRequest(StrictModel):
             raise ValueError("'input' must not be an empty list")
         if self.tool_choice is not None and not self.tools:
             raise ValueError("'tool_choice' is only allowed when 'tools' are given")
-        if len(self.stop_strings) > MAX_STOP_STRINGS:
-            raise ValueError(f"'stop' accepts at most {MAX_STOP_STRINGS} strings")
-        if any(not stop for stop in self.stop_strings):
-            raise ValueError("'stop' strings must not be empty")
         if self.background and not self.store:
             raise ValueError("'background' needs 'store': true (its result is fetched later)")
         return self
-
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def functions(self) -> list[tuple[str | None, FunctionTool]]:
         """Every function offered, with its namespace (None for a plain function tool)."""

@@ -113,7 +113,7 @@ def chat_request(
         fields["stream_options"] = {"include_usage": True}
     optional = {
         "max_tokens": body.max_output_tokens,
-        "stop": list(body.stop_strings) or None,
+        "stop": body.stop,
         "seed": body.seed,
         "reasoning_effort": body.reasoning.effort if body.reasoning else None,
         "tools": _tools(body),
