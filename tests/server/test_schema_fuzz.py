@@ -2,7 +2,8 @@
 
 Bodies generated from the schema -- valid ones and deliberately invalid ones -- go to a
 live server on 127.0.0.1. No request may get a 5xx, every documented response must match
-its schema, and every 4xx must be an OpenAI-shaped error. The run is bounded and
+its schema, and every 4xx must be an error in the API's own shape (OpenAI's; Anthropic's
+on the Messages routes). The run is bounded and
 reproducible: a fixed number of examples per operation, derandomized, no deadline.
 
 The server serves the tiny model with a short context so valid generations stay cheap.
@@ -53,8 +54,13 @@ def check_case(case: Any, statuses: Counter[int]) -> None:
     statuses[response.status_code] += 1
     case.validate_response(response, checks=[not_a_server_error, response_schema_conformance])
     if 400 <= response.status_code < 500:
-        error = response.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"}, error
+        body = response.json()
+        if case.operation.path.startswith("/v1/messages"):
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+            error = body["error"]
+        else:
+            error = body["error"]
+            assert set(error) == {"message", "type", "param", "code"}, error
         assert isinstance(error["message"], str) and error["message"], error
 
 
