@@ -29,6 +29,7 @@ from server.responses.store import ResponseStore
 from server.routes import chat, completions, health, messages, models, responses, tokenize
 from server.routes.context import ServingContext
 from server.settings import ServerSettings
+from server.unknown_fields import IgnoredFields
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,7 @@ def serving_context(
             built.tokenizer, settings.chat_template, settings.chat_template_content_format
         ),
         responses=responses,
+        ignored_fields=IgnoredFields(metrics.count_ignored_field if metrics else None),
     )
 
 

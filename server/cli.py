@@ -34,6 +34,7 @@ from server.settings import (
     ServerSettings,
 )
 from server.tools.parsers import TOOL_CALL_PARSERS
+from server.unknown_fields import UNKNOWN_FIELD_POLICIES
 
 logger = logging.getLogger("kvserve")
 
@@ -169,6 +170,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         default=0.0,
         help="seconds a request may wait to be scheduled before a 503 (0 = no limit)",
     )
+    http.add_argument(
+        "--unknown-fields",
+        default="ignore",
+        choices=UNKNOWN_FIELD_POLICIES,
+        help="a body's unknown top-level fields: ignore (named in the X-Kvserve-Ignored-Fields "
+        "header, counted in /metrics) or reject with a 400",
+    )
     http.add_argument("--shutdown-timeout", type=float, default=30.0, help="drain seconds")
     tools = p.add_argument_group("tool calling")
     tools.add_argument(
@@ -283,6 +291,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         shutdown_timeout_s=args.shutdown_timeout,
         max_n=args.max_n,
         max_messages=args.max_messages,
+        unknown_fields=args.unknown_fields,
         queue_timeout_s=args.queue_timeout,
         log_level=args.log_level,
         enable_ui=not args.disable_ui,

@@ -448,6 +448,11 @@ class ServerMetrics:
         self._rejected = self._labelled_counter(
             "requests_rejected", "Requests rejected before running, by reason.", "reason"
         )
+        self._ignored_fields = self._labelled_counter(
+            "request_fields_ignored",
+            "Unknown top-level request fields ignored (--unknown-fields ignore), by field.",
+            "field",
+        )
         for reason in FINISH_REASONS:
             self._finished.labels(model_name, reason)
         for reason in REJECT_REASONS:
@@ -504,6 +509,11 @@ class ServerMetrics:
     def count_rejected(self, reason: str) -> None:
         """Count a request refused before it ran (too_long, queue_full, invalid, auth...)."""
         self._rejected.labels(self._model, reason).inc()
+
+    def count_ignored_field(self, field: str) -> None:
+        """Count one unknown field a request carried and the server ignored (its label
+        bounded by server/unknown_fields.py)."""
+        self._ignored_fields.labels(self._model, field).inc()
 
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its content type, for GET /metrics."""

@@ -19,7 +19,7 @@ Beyond OpenAI, the vLLM sampling extensions are honoured: ``top_k``, ``min_p``,
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -41,8 +41,27 @@ MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
-# Known OpenAI fields kvserve does not implement: a request using them is refused with a
-# message naming the field instead of being answered as if they were honoured.
+# Known OpenAI and vLLM fields kvserve does not implement: a request using them is refused
+# with a message naming the field instead of being answered as if they were honoured
+# (under --unknown-fields ignore too: server/unknown_fields.py only drops what it does not
+# know).
+UNSUPPORTED_VLLM_FIELDS = (
+    "use_beam_search",
+    "length_penalty",
+    "truncate_prompt_tokens",
+    "allowed_token_ids",
+    "bad_words",
+    "logits_processors",
+    "return_tokens_as_token_ids",
+    "return_token_ids",
+    "prompt_embeds",
+    "kv_transfer_params",
+    "vllm_xargs",
+    "request_id",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "structural_tag",
+)
 UNSUPPORTED_CHAT_FIELDS = (
     # The legacy function-calling API (superseded by ``tools``/``tool_choice``).
     "functions",
@@ -51,9 +70,15 @@ UNSUPPORTED_CHAT_FIELDS = (
     "modalities",
     "prediction",
     "web_search_options",
+    "verbosity",
     "logit_processors",
+    "chat_template",
+    "documents",
+    "mm_processor_kwargs",
+    "media_io_kwargs",
+    *UNSUPPORTED_VLLM_FIELDS,
 )
-UNSUPPORTED_COMPLETION_FIELDS = ("suffix",)
+UNSUPPORTED_COMPLETION_FIELDS = ("suffix", *UNSUPPORTED_VLLM_FIELDS)
 
 
 class StrictModel(BaseModel):
@@ -216,6 +241,9 @@ class ChatMessage(StrictModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    # Known to kvserve, refused by name (server/unknown_fields.py never drops them).
+    refused_fields: ClassVar[tuple[str, ...]] = UNSUPPORTED_CHAT_FIELDS
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
@@ -296,6 +324,8 @@ PromptInput = Annotated[
 
 
 class CompletionRequest(SamplingFields):
+    refused_fields: ClassVar[tuple[str, ...]] = UNSUPPORTED_COMPLETION_FIELDS
+
     prompt: PromptInput
     # 0 (with n == 1) scores the prompt without generating: echo and logprobs, or
     # prompt_logprobs, then say what the model thinks of it.

@@ -15,7 +15,10 @@ request's lane (server/request_cpu.py), ``validated_body``:
    ``json.loads`` holds it for the whole body.
 2. ``find_bad_value`` (server/value_check.py): text UTF-8 cannot encode, or a NaN or
    infinite number, is a 400 naming the field, whatever the route and field.
-3. ``model.model_validate``: pydantic, with the errors FastAPI itself would report.
+3. ``split_unknown`` (server/unknown_fields.py): under ``--unknown-fields ignore``
+   the top-level keys the model does not know are dropped, and named in the answer's
+   ``X-Kvserve-Ignored-Fields`` header.
+4. ``model.model_validate``: pydantic, with the errors FastAPI itself would report.
 
 FastAPI then receives the finished model: pydantic passes an instance of the expected
 model through without validating it again, so the route's signature (and with it the
@@ -36,6 +39,7 @@ from starlette.responses import Response
 
 from server.errors import invalid
 from server.request_cpu import RequestCpu, note_body_bytes
+from server.unknown_fields import IGNORED_FIELDS_HEADER, header_value, known_fields, split_unknown
 from server.value_check import find_bad_value
 
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
@@ -69,15 +73,22 @@ def parse_json(raw: bytes) -> Any:
         raise invalid(f"the request body is not usable JSON: {exc}") from exc
 
 
-def validated_body(model: type[BaseModel], raw: bytes) -> BaseModel:
+def validated_body(
+    model: type[BaseModel], raw: bytes, ignorable: frozenset[str] | None = None
+) -> tuple[BaseModel, tuple[str, ...]]:
     """Parse ``raw``, refuse bad values (server/value_check.py), validate against
-    ``model``. Blocking: call it from a worker thread."""
+    ``model``; with ``ignorable`` (the model's known top-level keys), drop the keys not
+    in it first. The model and the keys dropped. Blocking: call it from a worker
+    thread."""
     data = parse_json(raw)
     bad = find_bad_value(data)
     if bad is not None:
         raise invalid(bad.message(), bad.path or None)
+    ignored: tuple[str, ...] = ()
+    if ignorable is not None:
+        data, ignored = split_unknown(data, ignorable)
     try:
-        return model.model_validate(data)
+        return model.model_validate(data), ignored
     except ValidationError as exc:
         errors = [{**err, "loc": ("body", *err["loc"])} for err in exc.errors(include_url=False)]
         raise RequestValidationError(errors) from None
@@ -91,16 +102,24 @@ class OffLoopBodyRoute(APIRoute):
         model = self._body_model()
         if model is None:
             return handler
+        known = known_fields(model)
 
         async def parse_then_handle(request: Request) -> Response:
+            ignored: tuple[str, ...] = ()
             if _is_json(request.headers.get("content-type")):
                 raw = await request.body()
                 if raw:  # an empty body is left to FastAPI ("Field required")
                     note_body_bytes(request, len(raw))
-                    cpu: RequestCpu = request.app.state.ctx.request_cpu
-                    parsed = await cpu.run(request, validated_body, model, raw)
+                    ctx = request.app.state.ctx
+                    cpu: RequestCpu = ctx.request_cpu
+                    ignorable = known if ctx.settings.unknown_fields == "ignore" else None
+                    parsed, ignored = await cpu.run(request, validated_body, model, raw, ignorable)
                     request = _ParsedBodyRequest(request, raw, parsed)
-            return await handler(request)
+            response = await handler(request)
+            if ignored:
+                request.app.state.ctx.ignored_fields.record(self.path, ignored)
+                response.headers[IGNORED_FIELDS_HEADER] = header_value(ignored)
+            return response
 
         return parse_then_handle
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from server.reasoning import REASONING_PARSERS, ReasoningFormat
 from server.tools.parsers import TOOL_CALL_PARSERS
+from server.unknown_fields import UNKNOWN_FIELD_POLICIES
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 # A request's headers must be complete this many seconds after its first byte (on a new
@@ -40,6 +41,9 @@ class ServerSettings:
     # A request not scheduled within this many seconds is answered 503 (0 = wait forever).
     queue_timeout_s: float = 0.0
     max_messages: int = 512
+    # --unknown-fields: a body's unknown top-level keys ignored or refused
+    # (server/unknown_fields.py).
+    unknown_fields: str = "ignore"
     log_level: str = "info"
     # The live block-map page at /ui (server/ui/); --disable-ui turns it off.
     enable_ui: bool = True
@@ -90,5 +94,7 @@ class ServerSettings:
             raise ValueError("the response store's bounds must be >= 0 (0: store nothing)")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
+        if self.unknown_fields not in UNKNOWN_FIELD_POLICIES:
+            raise ValueError(f"unknown_fields must be one of {', '.join(UNKNOWN_FIELD_POLICIES)}")
         if self.chat_template_content_format not in ("auto", "string", "openai"):
             raise ValueError("chat_template_content_format must be auto, string or openai")

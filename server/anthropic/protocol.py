@@ -21,7 +21,7 @@ server tools, unknown block types and fields.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, model_validator
 
@@ -176,6 +176,8 @@ class Metadata(StrictModel):
 
 class CountTokensRequest(StrictModel):
     """``POST /v1/messages/count_tokens``: what the prompt of such a request counts."""
+
+    refused_fields: ClassVar[tuple[str, ...]] = UNSUPPORTED_FIELDS
 
     model: str
     messages: list[Message] = Field(min_length=1)

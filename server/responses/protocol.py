@@ -16,7 +16,7 @@ item and part types are refused, never ignored.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
@@ -231,6 +231,8 @@ class StreamOptions(StrictModel):
 
 class ResponsesRequest(StrictModel):
     """``POST /v1/responses``. As in OpenAI's API, an explicit null means the default."""
+
+    refused_fields: ClassVar[tuple[str, ...]] = UNSUPPORTED_FIELDS
 
     model: str | None = None
     input: str | list[InputItem]

@@ -12,6 +12,7 @@ from server.chat_template import ChatTemplate
 from server.errors import APIError
 from server.request_cpu import RequestCpu
 from server.settings import ServerSettings
+from server.unknown_fields import IgnoredFields
 
 if TYPE_CHECKING:
     from server.metrics import RequestRecord, ServerMetrics
@@ -47,6 +48,8 @@ class ServingContext:
     request_cpu: RequestCpu = field(default_factory=RequestCpu)
     # The Responses API's stored and running responses (server/responses/job.py).
     responses: ResponsesState = field(default_factory=lambda: _responses_state())
+    # The unknown fields requests carried and the server ignored (server/unknown_fields.py).
+    ignored_fields: IgnoredFields = field(default_factory=IgnoredFields)
 
     def template(self) -> ChatTemplate:
         """The chat template the routes render with (--chat-template or the model's)."""
