@@ -26,7 +26,16 @@ from server.cors import add_cors
 from server.errors import APIError, install_error_handlers
 from server.responses.job import ResponsesState
 from server.responses.store import ResponseStore
-from server.routes import chat, completions, health, messages, models, responses, tokenize
+from server.routes import (
+    chat,
+    completions,
+    health,
+    messages,
+    models,
+    render,
+    responses,
+    tokenize,
+)
 from server.routes.context import ServingContext
 from server.settings import ServerSettings
 from server.unknown_fields import IgnoredFields
@@ -59,7 +68,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app, ctx.count_rejected)
-    for module in (chat, completions, responses, messages, models, tokenize, health):
+    for module in (chat, completions, render, responses, messages, models, tokenize, health):
         app.include_router(module.router)
     settings = ctx.settings
     if settings.enable_ui:

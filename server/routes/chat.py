@@ -92,6 +92,7 @@ class PreparedChat:
     params: SamplingParams
     reasoning: ReasoningFormat | None = None
     after: tuple[int, ...] = ()
+    prompt_text: str = ""  # the rendered template the ids encode
 
 
 def prepare_chat(
@@ -109,12 +110,12 @@ def prepare_chat(
     params = sampling_params(ctx, body, max_tokens, body.num_logprobs)
     reasoning = ctx.settings.reasoning
     if reasoning is None:
-        return PreparedChat(plan, constraint, prompt.ids, params)
+        return PreparedChat(plan, constraint, prompt.ids, params, prompt_text=prompt.text)
     reasoning = reasoning.for_prompt(prompt.text)
     after = ()
     if constraint is not None and reasoning.starts_inside:
         after = reasoning.end_marker_ids(ctx.tokenizer)
-    return PreparedChat(plan, constraint, prompt.ids, params, reasoning, after)
+    return PreparedChat(plan, constraint, prompt.ids, params, reasoning, after, prompt.text)
 
 
 class _ChatFormatter:
