@@ -112,7 +112,7 @@ def prepare_chat(
     if reasoning is None:
         return PreparedChat(plan, constraint, prompt.ids, params, prompt_text=prompt.text)
     reasoning = reasoning.for_prompt(prompt.text)
-    after = ()
+    after: tuple[int, ...] = ()
     if constraint is not None and reasoning.starts_inside:
         after = reasoning.end_marker_ids(ctx.tokenizer)
     return PreparedChat(plan, constraint, prompt.ids, params, reasoning, after, prompt.text)
