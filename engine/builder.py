@@ -24,6 +24,8 @@ from engine.cuda_runner import CudaModelRunner, decode_graph_reserve, uses_decod
 from engine.kv import accounting
 from engine.kv.accounting import CapacityPlan, KVShape, TierCapacity
 from engine.kv.disk_store import DiskFingerprint, DiskStore
+from engine.kv.event_publisher import ZmqEventPublisher
+from engine.kv.events import KVEventRecorder
 from engine.kv.tiers import TieredPrefixCache
 from engine.model.kernels.select import select_kernels
 from engine.model.layers.decoder import DecoderModel
@@ -164,6 +166,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     )
     core = _wire(args, model, kv_shape, plan, device, max_model_len, eos_ids, grammars)
     _attach_tiers(core, args, tiers, source.name, dtype_name(dtype), kv_shape)
+    _attach_kv_events(core, args, kv_shape)
     _log_startup(source, model, args.quantization, kv_shape, plan)
     _log_tiers(tiers, args.kv_cache_disk_dir)
     return BuiltEngine(
@@ -238,6 +241,18 @@ def _attach_tiers(
     core.scheduler.kv.attach_tiers(planner)
     core.tier_io = TierIO(runner.device_pool, host_pool, disk, planner.counters, runner.staging)
     core._publish()  # the first stats snapshot already lists the tiers
+
+
+def _attach_kv_events(core: EngineCore, args: EngineArgs, kv_shape: KVShape) -> None:
+    """Record every prefix-cache change and publish it over ZMQ (--kv-events-config)."""
+    config = args.kv_events_config
+    if config is None or not config.publishes:  # off, or vLLM's "null" publisher
+        return
+    recorder = KVEventRecorder(args.block_size, kv_shape.groups, max_pending=config.max_queue_size)
+    core.scheduler.kv.attach_events(recorder)
+    publisher = ZmqEventPublisher(recorder, config)
+    publisher.start()
+    core.kv_events = publisher
 
 
 def _groups_fingerprint(kv_shape: KVShape) -> str:

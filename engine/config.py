@@ -58,6 +58,46 @@ class CacheConfig:
 SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
 
 
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's ``KVEventsConfig``, field for field (``--kv-events-config`` JSON); the
+    publisher is engine/kv/event_publisher.py."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "zmq"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher not in KV_EVENT_PUBLISHERS:
+            raise ValueError(f"publisher must be one of {', '.join(KV_EVENT_PUBLISHERS)}")
+        if self.buffer_steps < 0 or self.hwm < 0 or self.max_queue_size < 1:
+            raise ValueError("buffer_steps and hwm must be >= 0, max_queue_size >= 1")
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """Parse the flag's JSON; an unknown key is an error naming it."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("--kv-events-config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"--kv-events-config: unknown key(s) {', '.join(unknown)}")
+        return cls(**data)
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (engine/speculative/), in vLLM's ``--speculative-config`` shape.
@@ -213,3 +253,6 @@ class EngineArgs:
     enforce_eager: bool = False
     # Speculative decoding (None = off); the CLI's --speculative-config JSON.
     speculative_config: SpeculativeConfig | None = None
+    # KV cache events for prefix-aware routers (engine/kv/event_publisher.py's
+    # KVEventsConfig, the CLI's --kv-events-config JSON); None = off.
+    kv_events_config: KVEventsConfig | None = None

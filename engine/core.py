@@ -51,6 +51,10 @@ class TierMover(Protocol):
     def close(self) -> None: ...
 
 
+class Closeable(Protocol):
+    def close(self) -> None: ...
+
+
 class EngineCore:
     """Drives a scheduler and a runner in lock step."""
 
@@ -60,6 +64,8 @@ class EngineCore:
         self.scheduler = scheduler
         self.runner = runner
         self.tier_io = tier_io
+        # The KV event publisher (engine/kv/event_publisher.py), closed last at shutdown.
+        self.kv_events: Closeable | None = None
         self.executor = StepExecutor(runner)
         # Every live client request's sequences, so a failure can end all of its choices.
         self._groups: dict[str, list[Request]] = {}
@@ -162,13 +168,15 @@ class EngineCore:
 
     def close(self) -> None:
         """At shutdown: put every cached prefix block on disk (when there is a disk tier)
-        and let the writes finish, so a restarted server finds them."""
-        if self.tier_io is None:
-            return
-        ops = self.scheduler.kv.persist_ops()
-        if ops:
-            self.tier_io.apply(ops, wait_for_disk=True)
-        self.tier_io.close()
+        and let the writes finish, so a restarted server finds them; then publish the last
+        KV events."""
+        if self.tier_io is not None:
+            ops = self.scheduler.kv.persist_ops()
+            if ops:
+                self.tier_io.apply(ops, wait_for_disk=True)
+            self.tier_io.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def expire_queued(self, timeout_s: float) -> list[RequestDelta]:
         """Fail the requests that have waited more than ``timeout_s`` without ever being

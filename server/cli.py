@@ -23,6 +23,7 @@ from engine.config import (
     PREEMPTION_MODES,
     SCHEDULING_POLICIES,
     EngineArgs,
+    KVEventsConfig,
     SpeculativeConfig,
 )
 from server.cli_frontend import add_frontend_arguments, frontend_settings
@@ -97,6 +98,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )
     add_tier_flags(cache)
+    cache.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=None,
+        help="publish KV cache events for prefix-aware routers, vLLM's JSON: "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'',
+    )
     sched = p.add_argument_group("scheduler")
     sched.add_argument("--max-num-seqs", type=int, default=64)
     sched.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -266,8 +275,16 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         max_step_time_ms=args.max_step_time_ms,
         max_step_time_ratio=args.max_step_time_ratio,
         speculative_config=args.speculative_config,
+        kv_events_config=args.kv_events_config,
         seed=args.seed,
     )
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.from_json(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:

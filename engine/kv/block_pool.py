@@ -26,6 +26,9 @@ BlockHash = bytes
 # Called with (block id, hash) when a cached block's contents are about to be reused: the
 # tiered prefix cache (engine/kv/tiers.py) demotes them to a lower tier.
 EvictHook = Callable[[int, "BlockHash"], None]
+# Called with a hash the pool no longer holds (evicted or withdrawn): the KV event
+# recorder (engine/kv/events.py) announces the removal.
+ForgetHook = Callable[["BlockHash"], None]
 
 
 class KVBlock:
@@ -149,6 +152,7 @@ class BlockPool:
         self.used_by_group = [0] * num_groups
         self.cached_by_group = [0] * num_groups
         self.on_evict: EvictHook | None = None
+        self.on_forget: ForgetHook | None = None
 
     # -- queries -----------------------------------------------------------------------
 
@@ -262,12 +266,16 @@ class BlockPool:
         if block.ref_count == 0:
             self.num_cached_free -= 1
             self.cached_by_group[block.group] -= 1
+        if self.on_forget is not None:
+            self.on_forget(block_hash)
 
     def _evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None
         if self.on_evict is not None:
             self.on_evict(block.block_id, block.block_hash)
         del self.cached[block.block_hash]
+        if self.on_forget is not None:
+            self.on_forget(block.block_hash)
         block.block_hash = None
         self.num_cached_free -= 1
         self.cached_by_group[block.group] -= 1

@@ -154,6 +154,10 @@ class DiskStore:
         self._unverified: deque[BlockHash] = deque()  # checksums the writer has yet to check
         self._verified = threading.Event()
         self._unsynced = False  # a rename or delete the directory's fsync has not covered
+        # Told (from the writer thread, or a reader's) when an entry is published or leaves
+        # the index: the KV event recorder (engine/kv/events.py) announces it.
+        self.on_stored: Callable[[BlockHash], None] | None = None
+        self.on_removed: Callable[[BlockHash], None] | None = None
         self._scan()
         self._worker = threading.Thread(target=self._write_loop, name="kv-disk-tier", daemon=True)
         self._worker.start()
@@ -282,6 +286,8 @@ class DiskStore:
             self._used_bytes += len(data)
         self.counters.writes += 1
         self.counters.bytes_written += len(data)
+        if self.on_stored is not None:
+            self.on_stored(block_hash)
 
     def write_file(self, path: Path, data: bytes) -> None:
         """The one place bytes reach the disk (tests substitute a failing one): written and
@@ -325,6 +331,7 @@ class DiskStore:
     def _make_room(self, size: int) -> None:
         """Evict until ``size`` more bytes fit: foreign entries first, then the LRU."""
         while True:
+            victim: BlockHash | None = None
             with self._lock:
                 if self._used_bytes + size <= self.capacity_bytes:
                     return
@@ -336,8 +343,14 @@ class DiskStore:
                 else:
                     return
                 self._used_bytes -= victim_size
+            if victim is not None:
+                self._announce_removed(victim)
             self.counters.evictions += 1
             self._delete(path)
+
+    def _announce_removed(self, block_hash: BlockHash) -> None:
+        if self.on_removed is not None:
+            self.on_removed(block_hash)
 
     def _header(self, block_hash: BlockHash, payload: bytes) -> bytes:
         fields = {
@@ -383,7 +396,10 @@ class DiskStore:
         except OSError as exc:
             self._log_once("read", "disk tier %s: a read failed: %s", self.directory, exc)
         with self._lock:
-            self._used_bytes -= self._index.pop(block_hash, 0)
+            size = self._index.pop(block_hash, None)
+        if size is not None:
+            self._used_bytes -= size
+            self._announce_removed(block_hash)
         return None
 
     def _check_entry(self, data: bytes, block_hash: BlockHash) -> tuple[bytes, str | None]:
@@ -516,6 +532,7 @@ class DiskStore:
             if size is None:  # already dropped (the verifier and a read both saw it)
                 return
             self._used_bytes -= size
+        self._announce_removed(block_hash)
         self._reject(reason)
         self._delete(self._path(block_hash))
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from engine.config import CacheConfig
 from engine.kv.accounting import blocks_for_tokens
 from engine.kv.block_pool import BlockHash, BlockPool
+from engine.kv.events import MEDIUM_DEVICE, KVEventRecorder
 from engine.kv.groups import KVGroup
 from engine.kv.hashing import extend_block_hashes
 from engine.kv.prefix import AttentionKind, hit_length, kinds_of
@@ -88,6 +89,8 @@ class KVCacheManager:
         self._copies: dict[str, list[BlockPair]] = {}
         # Host and disk tiers below the device prefix cache (attach_tiers); None when off.
         self.tiers: TieredPrefixCache | None = None
+        # Where registrations and evictions are announced (attach_events); None when off.
+        self.events: KVEventRecorder | None = None
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -174,14 +177,40 @@ class KVCacheManager:
         tiers = self.tiers
         cache_block = self.device.cache_block
         for table, suffix in zip(tables, self._key_suffix, strict=True):
+            registered = []
             for index in range(done, num_full):
                 block_id = table[index]
                 if block_id == NULL_BLOCK:
                     continue
                 key = hashes[index] + suffix
-                if cache_block(block_id, key) and tiers is not None:
-                    tiers.note_registered(block_id, key)
+                if cache_block(block_id, key):
+                    registered.append(index)
+                    if tiers is not None:
+                        tiers.note_registered(block_id, key)
+            if self.events is not None and registered:
+                self._announce(request, hashes, suffix, registered)
         self._num_cached_blocks[rid] = num_full
+
+    def _announce(
+        self, request: Request, hashes: list[BlockHash], suffix: bytes, indexes: list[int]
+    ) -> None:
+        """Report newly registered blocks of one group to the event recorder, one event
+        per run of consecutive block indexes."""
+        assert self.events is not None
+        size = self.block_size
+        tokens = request.all_token_ids
+        start = 0
+        for end in range(1, len(indexes) + 1):
+            if end < len(indexes) and indexes[end] == indexes[end - 1] + 1:
+                continue
+            first, last = indexes[start], indexes[end - 1]
+            self.events.stored(
+                [hashes[i] + suffix for i in range(first, last + 1)],
+                hashes[first - 1] + suffix if first else None,
+                tokens[first * size : (last + 1) * size],
+                request.cache_salt if first == 0 else None,
+            )
+            start = end
 
     def _block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         hashes = self._hashes.setdefault(request.request_id, [])
@@ -199,6 +228,14 @@ class KVCacheManager:
             return
         self.tiers = tiers
         self.device.on_evict = tiers.demote
+
+    def attach_events(self, events: KVEventRecorder) -> None:
+        """Announce every prefix-cache change from now on to ``events``: device
+        registrations and removals, and the tiers' (engine/kv/events.py)."""
+        self.events = events
+        self.device.on_forget = lambda key: events.removed(MEDIUM_DEVICE, key)
+        if self.tiers is not None:
+            self.tiers.attach_events(events)
 
     def find_tier_prefix(self, request: Request, device_hit: PrefixHit) -> PrefixHit | None:
         """A longer prefix than ``device_hit`` when the tiers hold what the device lacks

@@ -33,13 +33,14 @@ swap never overwrites a tier block in the step that demotes into it. Pure Python
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Protocol
 
 from engine.kv.accounting import KVShape, bytes_per_block, disk_tier_blocks
 from engine.kv.block_pool import BlockHash, BlockPool
+from engine.kv.events import MEDIUM_DISK, MEDIUM_HOST, KVEventRecorder
 from engine.outputs import TierOp, TierStats
 
 HOST = "host"
@@ -51,6 +52,9 @@ class DiskIndex(Protocol):
     """What the planner needs from the disk store (engine/kv/disk_store.py)."""
 
     capacity_bytes: int
+    # Called from the store's writer thread with a hash it published or deleted.
+    on_stored: Callable[[BlockHash], None] | None
+    on_removed: Callable[[BlockHash], None] | None
 
     def contains(self, block_hash: BlockHash) -> bool: ...
     def contains_or_pending(self, block_hash: BlockHash) -> bool: ...
@@ -116,10 +120,19 @@ class TieredPrefixCache:
         # Where a host eviction's disk store goes: the list of the copy that evicted it, so
         # the store reads the host block before that copy overwrites it.
         self._host_evictions = self._ops
+        self.events: KVEventRecorder | None = None
 
     @property
     def enabled(self) -> bool:
         return bool(self.counters)
+
+    def attach_events(self, events: KVEventRecorder) -> None:
+        """Announce what the host and disk tiers take and lose (engine/kv/events.py)."""
+        self.events = events
+        self.host.on_forget = lambda key: events.removed(MEDIUM_HOST, key)
+        if self.disk is not None:
+            self.disk.on_stored = lambda key: events.copied(MEDIUM_DISK, key)
+            self.disk.on_removed = lambda key: events.removed(MEDIUM_DISK, key)
 
     # -- demotion ---------------------------------------------------------------------------
 
@@ -187,6 +200,8 @@ class TieredPrefixCache:
         (host_block,) = self.host.allocate(1)  # may demote the LRU host block to disk
         self.host.cache_block(host_block, block_hash)
         self.host.free([host_block])
+        if self.events is not None:
+            self.events.copied(MEDIUM_HOST, block_hash)
         return host_block
 
     def _demote_from_host(self, host_block: int, block_hash: BlockHash) -> None:

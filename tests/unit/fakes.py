@@ -264,6 +264,8 @@ class FakeDisk:
 
     def __init__(self) -> None:
         self.entries: dict[bytes, list[int | None]] = {}
+        self.on_stored = None
+        self.on_removed = None
 
     def contains(self, block_hash: bytes) -> bool:
         return block_hash in self.entries
@@ -333,6 +335,8 @@ class FakeTierMover:
         if op.target == "disk":
             assert self.disk is not None
             self.disk.entries[op.block_hash] = data
+            if self.disk.on_stored is not None:
+                self.disk.on_stored(op.block_hash)
         else:
             self.pools[op.target][op.target_block] = data
 
