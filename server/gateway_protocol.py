@@ -80,7 +80,9 @@ PROTOCOL_METRICS: tuple[ProtocolMetric, ...] = (
 )
 
 ENGINE_NAME = "kvserve"  # the engineConfigs entry, and the pods' engine-type label value
-ENGINE_LABEL_KEY = "inference.networking.k8s.io/engine-type"  # the EPP's default key
+# The pods' label keys naming their engine: llm-d's router reads the first, and the
+# Inference Extension's picker (and llm-d, as a deprecated fallback) the second.
+ENGINE_LABEL_KEYS = ("llm-d.ai/engine-type", "inference.networking.k8s.io/engine-type")
 
 # kvserve serves no LoRA adapters. An empty spec turns the EPP's LoRA scrape off; left
 # unset, EPP v1.5 looks for vLLM's `vllm:lora_requests_info`, fails to find it and marks

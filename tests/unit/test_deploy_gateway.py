@@ -1,29 +1,41 @@
-"""deploy/gateway/ checked offline: every custom resource against its schema in
-deploy/gateway/crds/ (Gateway API's released schemas; a hand-written one for InferencePool,
-which no registry ships: see its README for versions and provenance), the core objects against
+"""deploy/gateway/ checked offline: every custom resource against the released CRDs
+vendored in deploy/gateway/crds/ (InferencePool v1 of the inference extension v1.6.0,
+Gateway and HTTPRoute of Gateway API v1.6.1; see its README), the core objects against
 Kubernetes' schemas, and the wiring between pool, picker, route and the kvserve Deployment."""
 
 from __future__ import annotations
 
 import copy
 import hashlib
-import importlib.util
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from server.gateway_protocol import ENGINE_LABEL_KEY, ENGINE_NAME, epp_engine_config
+from server.gateway_protocol import ENGINE_LABEL_KEYS, ENGINE_NAME, epp_engine_config
 
 ROOT = Path(__file__).resolve().parents[2]
 GATEWAY = ROOT / "deploy" / "gateway"
 CRDS = GATEWAY / "crds"
 DEPLOYMENT = ROOT / "deploy" / "kubernetes" / "deployment.yaml"
 CORE_GROUPS = ("v1", "apps/v1", "rbac.authorization.k8s.io/v1", "networking.k8s.io/v1")
-# What @kubernetes-models/crd-generate put where the CRDs have `metadata: {type: object}`.
-OBJECT_META_REF = "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta#"
+# The upstream blobs' sha256 (shared/vendor/gateway-api-inference-extension/SOURCE.md).
+RELEASED_SHA256 = {
+    "inference.networking.k8s.io_inferencepools.yaml": (
+        "55e0dbf39c50c4bbdd60106493a4573df4bb44479f9ce46762f1af718883e5cd"
+    ),
+    "gateway.networking.k8s.io_gateways.yaml": (
+        "25b885f5870b8fff1ae82efa2628b2761cef3745900c2aecf8fb76629a01255a"
+    ),
+    "gateway.networking.k8s.io_httproutes.yaml": (
+        "a424a0d6c953b162e71d1d97bb7e75012d8f1ac264e7274f2763d1b96ab39852"
+    ),
+    "LICENSE.gateway-api-inference-extension": (
+        "b40930bbcf80744c86c46a12bc9da056641d722716c378f5659b9e555ef833e1"
+    ),
+    "LICENSE.gateway-api": "20b6dde626f521dbb384f75e6d96c3d16789df3bf878b58bc2810614fb4db07c",
+}
 # jsonschema's words for minLength/minItems/minProperties, before and since 4.21.
 NON_EMPTY = "should be non-empty|is too short|does not have enough properties"
 
@@ -54,21 +66,8 @@ def strict(schema: Any) -> Any:
     return out
 
 
-def without_object_meta_ref(schema: Any) -> Any:
-    """The npm schemas' one `$ref` (to ObjectMeta, in another package) back to what the
-    CRD itself says of `metadata`: an object; the API server validates metadata itself."""
-    if isinstance(schema, list):
-        return [without_object_meta_ref(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    if schema.get("$ref") == OBJECT_META_REF:
-        return {"type": "object"}
-    return {k: without_object_meta_ref(v) for k, v in schema.items()}
-
-
 def crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
-    """(apiVersion, kind) -> JSON schema, for every vendored CRD version (YAML) and every
-    vendored schema file (JSON, one apiVersion and kind each)."""
+    """(apiVersion, kind) -> JSON schema, for every version of every vendored CRD."""
     schemas = {}
     for path in sorted(CRDS.glob("*.yaml")):
         crd = yaml.safe_load(path.read_text())
@@ -76,11 +75,6 @@ def crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
         for version in crd["spec"]["versions"]:
             schema = strict(version["schema"]["openAPIV3Schema"])
             schemas[(f"{group}/{version['name']}", kind)] = schema
-    for path in sorted(CRDS.glob("*.json")):
-        schema = json.loads(path.read_text())
-        (api_version,) = schema["properties"]["apiVersion"]["enum"]
-        (kind,) = schema["properties"]["kind"]["enum"]
-        schemas[(api_version, kind)] = strict(without_object_meta_ref(schema))
     return schemas
 
 
@@ -169,8 +163,10 @@ def test_the_crd_check_rejects_broken_resources(
 @pytest.mark.parametrize(
     ("kind", "path"),
     [
-        ("InferencePool", ("spec", "endpointPickerRef")),
+        # endpointPickerRef itself is optional since v1.6.0 (#2898); its name is not.
+        ("InferencePool", ("spec", "endpointPickerRef", "name")),
         ("InferencePool", ("spec", "selector")),
+        ("InferencePool", ("spec", "targetPorts")),
         ("Gateway", ("spec", "listeners")),
         ("Gateway", ("spec", "gatewayClassName")),
         ("Gateway", ("spec", "listeners", 0, "protocol")),
@@ -209,7 +205,8 @@ def test_the_pool_selects_the_kvserve_pods_on_their_port() -> None:
     (container,) = pod["spec"]["containers"]
     ports = [port["containerPort"] for port in container["ports"]]
     assert [port["number"] for port in pool["targetPorts"]] == ports
-    assert pod["metadata"]["labels"][ENGINE_LABEL_KEY] == ENGINE_NAME
+    for key in ENGINE_LABEL_KEYS:
+        assert pod["metadata"]["labels"][key] == ENGINE_NAME, key
 
 
 def test_the_pool_and_the_picker_point_at_each_other() -> None:
@@ -286,38 +283,12 @@ def test_the_picker_runs_restricted() -> None:
 
 
 def test_crds_readme_names_every_vendored_file_with_its_sha256() -> None:
+    """The CRDs are the released files, unchanged: each one's sha256 is the upstream blob's
+    as the vendor notes record it, and the README lists it."""
     readme = (CRDS / "README.md").read_text()
-    vendored = sorted([*CRDS.glob("*.yaml"), *CRDS.glob("*.json")])
-    assert len(vendored) == 3
+    vendored = sorted(path for path in CRDS.iterdir() if path.name != "README.md")
+    assert {path.name for path in vendored} == {*RELEASED_SHA256}
     for path in vendored:
-        assert path.name in readme, path.name
-        assert hashlib.sha256(path.read_bytes()).hexdigest() in readme, path.name
-
-
-def extract_module() -> Any:
-    spec = importlib.util.spec_from_file_location("extract", CRDS / "extract.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_the_gateway_api_schemas_carry_extract_py_provenance() -> None:
-    """Each JSON file names extract.py's pinned package and module, the README its sha256,
-    and extract.py's parser reads the schema back from a module shaped like the package's.
-    (Byte equality with the package itself needs npm: run extract.py, then `git diff`.)"""
-    extract = extract_module()
-    readme = (CRDS / "README.md").read_text()
-    assert f"{extract.PACKAGE}@{extract.VERSION}" in readme
-    assert extract.SHA256 in readme
-    assert set(extract.MODULES.values()) == {path.name for path in CRDS.glob("*.json")}
-    for member, name in extract.MODULES.items():
-        schema = json.loads((CRDS / name).read_text())
-        comment = schema.pop("$comment")
-        assert f"{extract.PACKAGE}@{extract.VERSION}" in comment
-        assert member.removeprefix("package/") in comment
-        assert "$comment" not in json.dumps(schema)
-        module = (
-            f'const schemaId = "x";\nconst schema = {json.dumps(schema, indent=4)};\nclass X {{}}'
-        )
-        assert extract.schema_literal(module) == schema
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        assert digest == RELEASED_SHA256[path.name], path.name
+        assert path.name in readme and digest in readme, path.name
