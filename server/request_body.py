@@ -73,17 +73,27 @@ def parse_json(raw: bytes) -> Any:
         raise invalid(f"the request body is not usable JSON: {exc}") from exc
 
 
+# Top-level lists of a conversation's turns: chat's and Messages' ``messages``, Responses'
+# ``input`` items. Each entry counts as one message against --max-messages.
+TURN_LIST_FIELDS = ("messages", "input")
+
+
 def validated_body(
-    model: type[BaseModel], raw: bytes, ignorable: frozenset[str] | None = None
+    model: type[BaseModel],
+    raw: bytes,
+    ignorable: frozenset[str] | None = None,
+    max_turns: int | None = None,
 ) -> tuple[BaseModel, tuple[str, ...]]:
-    """Parse ``raw``, refuse bad values (server/value_check.py), validate against
-    ``model``; with ``ignorable`` (the model's known top-level keys), drop the keys not
-    in it first. The model and the keys dropped. Blocking: call it from a worker
-    thread."""
+    """Parse ``raw``, refuse bad values (server/value_check.py) and conversations of more
+    than ``max_turns`` entries, validate against ``model``; with ``ignorable`` (the
+    model's known top-level keys), drop the keys not in it first. The model and the keys
+    dropped. Blocking: call it from a worker thread."""
     data = parse_json(raw)
     bad = find_bad_value(data)
     if bad is not None:
         raise invalid(bad.message(), bad.path or None)
+    if max_turns is not None:
+        check_turn_count(data, max_turns)
     ignored: tuple[str, ...] = ()
     if ignorable is not None:
         data, ignored = split_unknown(data, ignorable)
@@ -92,6 +102,23 @@ def validated_body(
     except ValidationError as exc:
         errors = [{**err, "loc": ("body", *err["loc"])} for err in exc.errors(include_url=False)]
         raise RequestValidationError(errors) from None
+
+
+def check_turn_count(data: Any, limit: int) -> None:
+    """Refuse a conversation longer than --max-messages before it is validated: 100,000
+    short turns made ~500,000 objects, and the garbage collections they set off held the
+    GIL (and so the event loop) ~150 ms at a time."""
+    if not isinstance(data, dict):
+        return
+    for field in TURN_LIST_FIELDS:
+        turns = data.get(field)
+        if isinstance(turns, list) and len(turns) > limit:
+            raise invalid(
+                f"'{field}' has {len(turns)} entries; this server accepts at most {limit} "
+                "(--max-messages)",
+                field,
+                code="too_many_messages",
+            )
 
 
 class OffLoopBodyRoute(APIRoute):
@@ -113,7 +140,10 @@ class OffLoopBodyRoute(APIRoute):
                     ctx = request.app.state.ctx
                     cpu: RequestCpu = ctx.request_cpu
                     ignorable = known if ctx.settings.unknown_fields == "ignore" else None
-                    parsed, ignored = await cpu.run(request, validated_body, model, raw, ignorable)
+                    limit = ctx.settings.max_messages
+                    parsed, ignored = await cpu.run(
+                        request, validated_body, model, raw, ignorable, limit
+                    )
                     request = _ParsedBodyRequest(request, raw, parsed)
             response = await handler(request)
             if ignored:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -45,9 +46,18 @@ GIL_SWITCH_INTERVAL_S = 0.0002
 
 
 def favour_the_event_loop() -> None:
-    """Shorten the interpreter's GIL switch interval (process-wide: the server's own
-    process only, set by ``kvserve serve``)."""
+    """Shorten the interpreter's GIL switch interval, and freeze what start-up made out of
+    the garbage collector's reach (process-wide: the server's own process only, set by
+    ``kvserve serve`` once the engine is built).
+
+    A full collection walks every tracked object while holding the GIL: with torch,
+    transformers and the model's objects (~240,000) that took ~150 ms, a stall of the
+    event loop whenever a large request's allocations set one off. Frozen, start-up's
+    objects are never walked again (they live as long as the server anyway): ~20-40 ms.
+    """
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    gc.collect()
+    gc.freeze()
 
 
 class RequestCpu:

@@ -31,9 +31,9 @@ async def create_message(
     body: MessagesRequest, request: HTTPRequest, ctx: Ctx
 ) -> JSONResponse | StreamingResponse:
     model = ctx.check_model(body.model)
-    run, chat = await launch_chat(
-        ctx, request, chat_request(body), new_message_id(), up_to_context=True
-    )
+    # Translating and validating the whole conversation grows with the body: off the loop.
+    chat_body = await ctx.request_cpu.run(request, chat_request, body)
+    run, chat = await launch_chat(ctx, request, chat_body, new_message_id(), up_to_context=True)
     window_bound = chat.params.max_tokens < body.max_tokens
     job = MessageJob(run, choice_output(chat.plan, chat.reasoning), model, window_bound)
     if body.stream:

@@ -17,6 +17,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.errors import APIError
+from server.protocol import ChatCompletionRequest
 from server.request_body import OffLoopBodyRoute
 from server.responses.job import ResponseJob, ResponsesState, new_response_id
 from server.responses.protocol import ResponsesRequest
@@ -37,8 +38,8 @@ async def create_response(
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         history = _stored(state, body.previous_response_id, "previous_response_id").messages
-    conversation = [*history, *input_messages(body)]
-    chat_body = chat_request(body, conversation, stream=False)
+    # Translating and validating the whole conversation grows with the body: off the loop.
+    conversation, chat_body = await ctx.request_cpu.run(request, _translate, body, history)
     run, chat = await launch_chat(ctx, request, chat_body, new_response_id())
     job = ResponseJob(state, run, chat, body, model, conversation)
     if body.background:
@@ -48,6 +49,14 @@ async def create_response(
             request, run, job.stream, done=None, error_event=_error_event
         )
     return await complete_or_abort(request, run, job.collect)
+
+
+def _translate(
+    body: ResponsesRequest, history: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], ChatCompletionRequest]:
+    """The conversation (stored history, then this input) and the chat request it becomes."""
+    conversation = [*history, *input_messages(body)]
+    return conversation, chat_request(body, conversation, stream=False)
 
 
 @router.get("/v1/responses/{response_id}")
@@ -81,7 +90,7 @@ async def delete_response(response_id: str, ctx: Ctx) -> JSONResponse:
     state = responses_state(ctx)
     running = state.running.get(response_id)
     if running is not None:
-        running.cancel()
+        running.delete()  # its end is not stored again
     if not state.store.delete(response_id) and running is None:
         raise _not_found(response_id, "response_id")
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})

@@ -207,3 +207,117 @@ def test_bodies_that_are_not_json_or_not_utf8_are_400(server: LiveServer):
         resp = httpx.post(f"{server.url}/v1/completions", content=raw, headers=headers)
         error_of(resp)
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+RESPONSES_BODY: dict[str, Any] = {
+    "model": TINY_MODEL_NAME,
+    "instructions": "Be brief.",
+    "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "What is the weather?"}]},
+        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+    ],
+    "tools": [
+        {
+            "type": "function",
+            "name": "weather",
+            "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        }
+    ],
+    "tool_choice": "none",
+    "metadata": {"team": "ops"},
+    "max_output_tokens": 2,
+    "store": False,
+}
+MESSAGES_BODY: dict[str, Any] = {
+    "model": TINY_MODEL_NAME,
+    "system": [{"type": "text", "text": "Be brief."}],
+    "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "What is the weather?"}]},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t1", "name": "weather", "input": {"c": "x"}}],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}],
+        },
+    ],
+    "tools": [
+        {
+            "name": "weather",
+            "description": "The weather in a city.",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+        }
+    ],
+    "tool_choice": {"type": "none"},
+    "stop_sequences": ["END"],
+    "metadata": {"user_id": "u1"},
+    "max_tokens": 2,
+}
+COUNT_BODY = {key: value for key, value in MESSAGES_BODY.items() if key != "max_tokens"}
+RENDER_CHAT_BODY = {key: value for key, value in CHAT_BODY.items() if key != "max_tokens"}
+# The agent APIs and the render endpoints (added after the first sweep), with each API's
+# own error shape: OpenAI's for Responses and render, Anthropic's for Messages.
+AGENT_ROUTES: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/responses", RESPONSES_BODY),
+    ("/v1/messages", MESSAGES_BODY),
+    ("/v1/messages/count_tokens", COUNT_BODY),
+    ("/v1/chat/completions/render", RENDER_CHAT_BODY),
+    ("/v1/completions/render", {"model": TINY_MODEL_NAME, "prompt": ["one", "two"]}),
+]
+
+
+def error_message(path: str, resp: httpx.Response) -> str:
+    """The 400's message, checked against the envelope its API uses."""
+    assert resp.status_code == 400, resp.text
+    body = resp.json()
+    if path.startswith("/v1/messages"):
+        assert body["type"] == "error"
+        assert body["error"]["type"] == "invalid_request_error"
+        return str(body["error"]["message"])
+    assert body["error"]["type"] == "invalid_request_error"
+    return str(body["error"]["message"])
+
+
+@pytest.mark.parametrize("path,body", AGENT_ROUTES, ids=[p for p, _ in AGENT_ROUTES])
+def test_agent_and_render_routes_refuse_a_lone_surrogate_anywhere(
+    server: LiveServer, path: str, body: dict[str, Any]
+):
+    assert post_raw(server, path, json.dumps(body)).status_code == 200
+    slots = list(string_slots(body))
+    assert len(slots) >= 3
+    for field, is_key, key in slots:
+        text = json.dumps(with_surrogate(body, field, is_key, key))
+        message = error_message(path, post_raw(server, path, text))
+        assert "U+D800" in message and "surrogate" in message, (field, message)
+        where = (f"a key of '{field}'" if field else "a key of the body") if is_key else field
+        assert where in message, (field, is_key, message)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path,field",
+    [
+        ("/v1/chat/completions", "messages"),
+        ("/v1/responses", "input"),
+        ("/v1/messages", "messages"),
+        ("/v1/messages/count_tokens", "messages"),
+        ("/tokenize", "messages"),
+    ],
+)
+def test_a_conversation_past_max_messages_is_refused_before_validation(
+    server: LiveServer, path: str, field: str
+):
+    """Each turn counts against --max-messages (512 here), checked on the parsed JSON:
+    100,000 turns never become objects to validate (docs/RELIABILITY.md, "Event loop")."""
+    turns = [{"role": "user", "content": "hi"}] * 513
+    body = {"model": TINY_MODEL_NAME, field: turns, "max_tokens": 1}
+    resp = post_raw(server, path, json.dumps(body))
+    message = error_message(path, resp)
+    assert f"'{field}' has 513 entries" in message and "--max-messages" in message
+    if not path.startswith("/v1/messages"):
+        assert resp.json()["error"]["code"] == "too_many_messages"
+    body[field] = turns[:512]  # at the limit: past this check (the route answers as usual)
+    assert "entries" not in post_raw(server, path, json.dumps(body)).text
