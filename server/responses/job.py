@@ -62,6 +62,7 @@ class ResponseJob:
         self._choice: ChoiceOutput = choice_output(chat.plan, chat.reasoning)
         self.status = "in_progress"
         self.cancelled = False
+        self.deleted = False  # DELETE while running: never stored again
         self._finish_reason: str | None = None
 
     @property
@@ -117,6 +118,11 @@ class ResponseJob:
         self.cancelled = True
         self.run.close()
 
+    def delete(self) -> None:
+        """Abort the run and keep its end out of the store (``DELETE`` while running)."""
+        self.deleted = True
+        self.cancel()
+
     # ------------------------------------------------------------------ results
     def _events(self, update: ChoiceUpdate) -> list[Any]:
         events = self._choice.feed(update.text)
@@ -135,7 +141,7 @@ class ResponseJob:
             self.status = "completed"
         item_status = "incomplete" if self.status != "completed" else "completed"
         events = self.output.finish(item_status)
-        if self.body.store:
+        if self.body.store and not self.deleted:
             self.store_now()
         return events
 

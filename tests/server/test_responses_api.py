@@ -211,6 +211,19 @@ def test_background_responses_are_polled_and_cancelled(long_server: LiveServer) 
     long_server.wait_idle()  # the cancelled run left no block behind
 
 
+def test_a_response_deleted_while_running_stays_deleted(long_server: LiveServer) -> None:
+    client = sdk(long_server)
+    long = client.responses.create(model=MODEL, input="Hi", background=True, max_output_tokens=900)
+    deleted = httpx.delete(f"{long_server.v1}/responses/{long.id}", timeout=30)
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+    long_server.wait_idle()  # the run ended (and left no block behind)
+    time.sleep(0.5)  # room for the job's own end, which stored it again before the fix
+    # Its end was not stored again as "cancelled": a read and a second delete both miss.
+    missed = httpx.get(f"{long_server.v1}/responses/{long.id}", timeout=30)
+    assert missed.status_code == 404, missed.text
+    assert httpx.delete(f"{long_server.v1}/responses/{long.id}").status_code == 404
+
+
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
