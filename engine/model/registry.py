@@ -18,6 +18,7 @@ FAMILIES = MappingProxyType(
     {
         "llama": "llama",
         "mistral": "llama",
+        "ministral": "llama",  # Mistral's layers, with per-layer sliding/full in layer_types
         "qwen2": "llama",
         "qwen3": "qwen3",
         "phi3": "phi3",
@@ -36,6 +37,7 @@ ARCHITECTURES = MappingProxyType(
     {
         "LlamaForCausalLM": "llama",
         "MistralForCausalLM": "mistral",
+        "MinistralForCausalLM": "ministral",
         "Qwen2ForCausalLM": "qwen2",
         "Qwen3ForCausalLM": "qwen3",
         "Phi3ForCausalLM": "phi3",

@@ -46,6 +46,18 @@ def mistral() -> Any:
     return MistralForCausalLM(MistralConfig(**base(sliding_window=WINDOW)))
 
 
+def ministral() -> Any:
+    """Ministral's own model type: Mistral's layers, sliding and full ones mixed through
+    ``layer_types`` (Ministral 8B interleaves them)."""
+    from transformers import MinistralConfig, MinistralForCausalLM
+
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+    config = MinistralConfig(
+        **base(num_hidden_layers=3, head_dim=16, sliding_window=WINDOW), layer_types=layer_types
+    )
+    return MinistralForCausalLM(config)
+
+
 def qwen2() -> Any:
     """Sliding-window layers from layer 1 on (``max_window_layers``), QKV biases."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -212,6 +224,7 @@ def gemma3_multimodal() -> Any:
 FAMILIES: dict[str, tuple[Callable[[], Any], int]] = {
     "llama": (llama, 4),
     "mistral": (mistral, 4),
+    "ministral": (ministral, 8),
     "qwen2": (qwen2, 8),
     "qwen3": (qwen3, 16),
     "phi3": (phi3, 8),

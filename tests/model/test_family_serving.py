@@ -18,7 +18,7 @@ from tests.model.engine_helpers import reference_greedy
 from tests.model.family_models import FAMILIES, random_reference
 
 SERVED = (
-    *("mistral", "qwen3", "olmo2", "granite"),
+    *("mistral", "ministral", "qwen3", "olmo2", "granite"),
     *("mixtral", "qwen3_moe", "gpt_oss", "gemma2", "gemma3_text"),
 )
 QUESTION = "Name three rivers of Europe, say which seas they flow into, and give one city on each."
