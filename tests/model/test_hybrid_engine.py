@@ -33,7 +33,7 @@ PROMPTS = {
     "b": [(11 * i + 5) % 253 for i in range(58)],
     "c": [*SHARED, 200, 201, 202],  # shares "a"'s head: a prefix hit once "a" computed it
 }
-MAX_TOKENS = 20
+MAX_TOKENS = 32  # decode steps compared with transformers on every path (issue 34: 32+)
 SCENARIOS: dict[str, tuple[CacheConfig, SchedulerConfig]] = {
     "plain": (CacheConfig(num_device_blocks=512, block_size=4), SchedulerConfig()),
     "chunked": (

@@ -20,6 +20,7 @@ from engine.kv.block_map import (
     encode,
     expand_ranges,
     id_ranges,
+    kv_shape_facts,
 )
 from engine.kv.disk_store import DiskFingerprint, DiskStore
 from engine.kv.tiers import TieredPrefixCache
@@ -200,3 +201,31 @@ def test_snapshot_at_100k_blocks_is_compact() -> None:
     # 300 bytes a row), not the 100,000 blocks (bench/bench_block_map.py measures more mixes).
     assert len(body) < 100 * 1024, len(body)
     assert len(body) < 400 * len(snapshot_rows(body)), len(body)
+
+
+def test_a_hybrid_model_shows_each_groups_blocks_and_the_window_bound() -> None:
+    """The /ui picture of a hybrid cache: a row's blocks per KV group (a sliding group
+    within ceil((W - 1) / S) + 1 of them however long the sequence), the totals per group,
+    and the groups in the shape facts the page plans with."""
+    from engine.kv.groups import KVGroup
+
+    window, size = 8, 4
+    shape = KVShape(2, 2, 8, "float32", (KVGroup((0,), window), KVGroup((1,), None)))
+    cache = CacheConfig(num_device_blocks=64, block_size=size, watermark=0)
+    config = SchedulerConfig(max_model_len=256, max_num_batched_tokens=64)
+    sched = Scheduler(config, cache, shape)
+    sched.add_request(make_group("a", list(range(30)), SamplingParams(max_tokens=40)))
+    for _ in range(20):  # the prompt, then 19 decodes: 49 tokens, six windows
+        step(sched)
+    snapshot = encode(BlockMapProbe().capture(sched))
+    (row,) = snapshot["requests"]
+    sliding, full = row["group_blocks"]
+    tokens = row["kv_tokens"]
+    assert tokens >= 48 and full == -(-tokens // size)
+    assert 1 <= sliding <= -(-(window - 1) // size) + 1
+    assert len(expand_ranges(row["ranges"])) == sliding + full
+    groups = snapshot["totals"]["groups"]
+    assert [g["used"] for g in groups] == [sliding, full]
+    assert groups[0]["payload_bytes"] < groups[1]["payload_bytes"]
+    facts = kv_shape_facts(shape, size)["groups"]
+    assert [(g["window"], g["num_layers"]) for g in facts] == [(window, 1), (None, 1)]

@@ -276,6 +276,28 @@ def test_a_sliding_hit_needs_only_the_window_before_it() -> None:
     assert kv.find_cached_prefix(request).num_blocks == 12
 
 
+def test_a_cache_salt_isolates_every_group() -> None:
+    """A request salted differently finds nothing in any group; the same salt finds what
+    every group can serve, as an unsalted repeat does."""
+    core, _, _ = build(Setup(MIXED, blocks=200, block_size=4))
+    prompt = list(range(1, 42))
+    core.add_request(make_group("a", prompt, SamplingParams(max_tokens=1), cache_salt="t1"))
+    while core.has_unfinished():
+        core.step()
+    kv = core.scheduler.kv
+
+    def hit(salt: str | None) -> int:
+        # A new id each time: the manager keeps a request's block hashes by its id.
+        request = make_group(
+            f"probe-{salt}", prompt, SamplingParams(max_tokens=1), cache_salt=salt
+        )[0]
+        return kv.find_cached_prefix(request).num_blocks
+
+    assert hit("t1") == (len(prompt) - 1) // 4
+    assert hit("t2") == 0 and hit(None) == 0
+    core.scheduler.check_integrity()
+
+
 def test_groups_of_one_kind_are_cut_evenly_and_the_smallest_kind_sets_the_page() -> None:
     gemma3 = plan_kv_groups([1024] * 5 + [None] + [1024] * 5 + [None])
     assert [g.layers for g in gemma3] == [(0, 1), (2, 3), (4, 6), (7, 8), (9, 10), (5, 11)]
