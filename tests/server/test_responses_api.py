@@ -83,6 +83,54 @@ def test_the_stream_is_the_typed_event_sequence(agent_server: LiveServer) -> Non
     assert [item.type for item in final.output] == ["reasoning", "message"]
 
 
+def test_a_streamed_function_call_sends_its_argument_events(agent_server: LiveServer) -> None:
+    with sdk(agent_server).responses.stream(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        tools=FUNCTION_TOOLS,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "name": "get_weather"},
+        temperature=0,
+        max_output_tokens=200,
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [event.type for event in events]
+    assert "response.function_call_arguments.delta" in kinds
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (call,) = [item for item in final.output if item.type == "function_call"]
+    assert deltas == done.arguments == call.arguments
+    jsonschema.validate(json.loads(call.arguments), TOOLS[0]["function"]["parameters"])  # type: ignore[index]
+    assert kinds[-1] == "response.completed"
+    numbers = [event.sequence_number for event in events]
+    assert numbers == list(range(len(events)))
+
+
+def test_a_stream_cut_by_max_output_tokens_ends_incomplete(agent_server: LiveServer) -> None:
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 3, "metadata": {"k": "v"}}
+    with sdk(agent_server).responses.stream(**body) as stream:  # type: ignore[arg-type]
+        events = list(stream)
+    last = events[-1]
+    assert last.type == "response.incomplete"
+    assert last.response.status == "incomplete"
+    assert last.response.incomplete_details.reason == "max_output_tokens"  # type: ignore[union-attr]
+    assert last.response.metadata == {"k": "v"}  # echoed as sent
+    assert last.response.usage is not None and last.response.usage.output_tokens == 3
+
+
+def test_stop_ends_the_answer_before_the_stop_text(agent_server: LiveServer) -> None:
+    word = ANSWER[2:]  # the scripted answer is one word: stop inside it
+    resp = httpx.post(
+        f"{agent_server.v1}/responses",
+        json={"model": MODEL, "input": "Hi", "stop": [word], "temperature": 0, "store": False},
+        timeout=60,
+    )
+    assert resp.status_code == 200, resp.text
+    (message,) = [item for item in resp.json()["output"] if item["type"] == "message"]
+    text = message["content"][0]["text"]
+    assert text == ANSWER[:2]
+
+
 def test_a_function_call_and_its_output_round_trip(agent_server: LiveServer) -> None:
     client = sdk(agent_server)
     first = client.responses.create(
