@@ -68,26 +68,37 @@ class StructuredOutputs:
     ``after``: token ids that must appear in the output before the constraint applies (a
     thinking model's end of reasoning, ``</think>``); the grammar then governs the tokens
     that follow their first occurrence. Empty: from the first token.
+
+    ``opener`` (with ``after``): a token the output may begin with instead of the
+    grammar's first token (a thinking model's start tag, ``<think>``, when the model
+    chooses whether to think). An output that begins with it waits for ``after``; any
+    other is governed from its first token. None: ``after`` is always waited for.
     """
 
     kind: StructuredKind
     value: str = ""
     after: tuple[int, ...] = ()
+    opener: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
             raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}")
+        if self.opener is not None and not self.after:
+            raise ValueError("an opener needs the 'after' tokens it waits for")
 
     @property
     def grammar_spec(self) -> StructuredOutputs:
         """The grammar alone (what compiles and is cached), without ``after``."""
-        return dataclasses.replace(self, after=()) if self.after else self
+        return dataclasses.replace(self, after=(), opener=None) if self.after else self
 
     def grammar_start(self, output_token_ids: Sequence[int]) -> int | None:
-        """Where the grammar's tokens begin in the output: 0 without ``after``, else just
-        past the first occurrence of ``after``; None while it has not appeared."""
+        """Where the grammar's tokens begin in the output: 0 without ``after`` (or, with an
+        ``opener``, while the output is empty or begins otherwise), else just past the
+        first occurrence of ``after``; None while it has not appeared."""
         marker = self.after
         if not marker:
+            return 0
+        if self.opener is not None and (not output_token_ids or output_token_ids[0] != self.opener):
             return 0
         width = len(marker)
         first = marker[0]

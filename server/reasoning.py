@@ -19,8 +19,10 @@ Tags split across stream pieces are held back until they are whole, so the strea
 the whole answer split the same way (tests/unit/test_reasoning.py). When the output starts
 inside the block, a structured-output constraint or a forced tool call applies only after
 it: the engine leaves the grammar off until the end tag's tokens (``end_marker_ids``)
-appear (``StructuredOutputs.after``). An output that may open a block itself gets the
-constraint from its first token, which leaves no room to think.
+appear (``StructuredOutputs.after``). An output that may open a block itself (Qwen3 with
+thinking on) gets the grammar's first tokens and the start tag to choose from
+(``StructuredOutputs.opener``): opening the block defers the constraint to its end, any
+other first token starts it at once.
 """
 
 from __future__ import annotations
@@ -50,6 +52,16 @@ class ReasoningFormat:
         if self.starts_inside or not prompt_text.rstrip().endswith(self.start):
             return self
         return dataclasses.replace(self, starts_inside=True)
+
+    def opener_id(self, tokenizer: Any, prompt_text: str) -> int | None:
+        """The start tag's token when the output may open a block itself (the model
+        chooses whether to think): None when it starts inside one, after a prompt that
+        closed an empty one (``enable_thinking: false``), or when the tag is not one
+        token."""
+        if self.starts_inside or prompt_text.rstrip().endswith(self.end):
+            return None
+        ids = tokenizer.encode(self.start, add_special_tokens=False)
+        return int(ids[0]) if len(ids) == 1 else None
 
     def end_marker_ids(self, tokenizer: Any) -> tuple[int, ...]:
         """The end tag as the tokenizer encodes it (one added token for Qwen3, R1)."""

@@ -88,12 +88,13 @@ class Constraint:
     value: str
     param: str
 
-    def spec(self, after: tuple[int, ...] = ()) -> Any:
+    def spec(self, after: tuple[int, ...] = (), opener: int | None = None) -> Any:
         """The engine's ``StructuredOutputs`` for this constraint (applying once the
-        ``after`` tokens appeared in the output, when given)."""
+        ``after`` tokens appeared in the output, when given; with ``opener``, only when
+        the output opened with it)."""
         from engine.request import StructuredOutputs
 
-        return StructuredOutputs(kind=self.kind, value=self.value, after=after)
+        return StructuredOutputs(kind=self.kind, value=self.value, after=after, opener=opener)
 
 
 def schema_constraint(schema: dict[str, Any], param: str) -> Constraint:
@@ -203,14 +204,16 @@ async def constrained(
     constraint: Constraint | None,
     checks: Sequence[Constraint] = (),
     after: tuple[int, ...] = (),
+    opener: int | None = None,
 ) -> Any:
     """``params`` (SamplingParams) with the constraint, once it compiled; ``checks`` are
     compiled first so that a failure names the narrowest field; ``after``: the tokens the
-    constraint waits for (server/reasoning.py)."""
+    constraint waits for, ``opener``: the token whose opening makes it wait
+    (server/reasoning.py)."""
     if constraint is None:
         return params
     if compiler is None:
         message = "this engine has no grammar compiler: structured outputs are off"
         raise invalid(message, constraint.param)
     await check_compiles(compiler, [*checks, constraint])
-    return dataclasses.replace(params, structured_outputs=constraint.spec(after))
+    return dataclasses.replace(params, structured_outputs=constraint.spec(after, opener))

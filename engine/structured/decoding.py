@@ -29,7 +29,9 @@ request ids, so each gets its own matcher from the first token on.
 Rows without a grammar are untouched, and a batch without one pays for one scan of the
 row list. A constraint with ``after`` (StructuredOutputs: a thinking model's end of
 reasoning) leaves its row free until those tokens appear in the output; the matcher then
-follows the tokens after them.
+follows the tokens after them. With an ``opener`` as well (a model that chooses whether
+to think), the first token may be the grammar's or the opener, whose logit is kept out
+of the mask; a row that opened waits for ``after``, any other is governed from token 0.
 """
 
 from __future__ import annotations
@@ -157,21 +159,46 @@ class GrammarDecoding:
         self.rows_filled_ahead += len(states) - len(stale)
         self.rows_filled_late += len(stale)
         vocab = min(self.vocab_size, logits.shape[-1])
+        openers = self._open_choices(logits, rows, constrained)
         apply_bitmask(logits, self._slots, constrained, [s.slot for s in states], vocab)
+        with torch.inference_mode():  # the runner's logits may be inference tensors
+            for row, token, logit in openers:  # the first token may also open a block
+                logits[row, token] = logit
         return len(constrained)
+
+    @staticmethod
+    def _open_choices(
+        logits: torch.Tensor,
+        rows: Sequence[ConstrainedRow],
+        constrained: list[int],
+    ) -> list[tuple[int, int, torch.Tensor]]:
+        """(row, opener, its logit) of the rows whose first token may be their spec's
+        opener instead of the grammar's (``StructuredOutputs.opener``)."""
+        out = []
+        for i in constrained:
+            spec = rows[i].params.structured_outputs
+            assert spec is not None
+            if spec.opener is not None and not rows[i].output_token_ids:
+                out.append((i, spec.opener, logits[i, spec.opener].clone()))
+        return out
 
     def accept(self, rows: Sequence[ConstrainedRow], token_ids: Sequence[int]) -> set[str]:
         """Advance the constrained rows' matchers by their sampled tokens; return the
         request ids whose grammar is complete (nothing but a stop token can follow)."""
         picked = [
-            (row.request_id, self._sequences[row.request_id], token)
+            (row.request_id, self._sequences[row.request_id], token, row.params)
             for row, token in zip(rows, token_ids, strict=True)
             if row.params.structured_outputs and self._sequences[row.request_id].start is not None
         ]
         self._wait_for_filler()
         completed: set[str] = set()
         going_on = []
-        for request_id, state, token in picked:
+        for request_id, state, token, params in picked:
+            spec = params.structured_outputs
+            assert spec is not None
+            if token == spec.opener and not state.accepted and state.start == 0:
+                state.start = None  # it opened a think block: wait for its end
+                continue
             # One call per row: cheaper than xgrammar's batch accept at these batch sizes.
             if not state.matcher.accept_token(token):
                 # Only reachable if the mask was not applied: end the sequence rather

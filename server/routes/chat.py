@@ -64,7 +64,12 @@ async def launch_chat(
     (``up_to_context``: a token budget past the context is cut to it, not refused)."""
     chat = await ctx.request_cpu.run(request, prepare_chat, ctx, body, up_to_context)
     params = await constrained(
-        ctx.grammar_compiler, chat.params, chat.constraint, chat.plan.checks, chat.after
+        ctx.grammar_compiler,
+        chat.params,
+        chat.constraint,
+        chat.plan.checks,
+        chat.after,
+        chat.opener,
     )
     run = GenerationRun(
         ctx,
@@ -93,6 +98,7 @@ class PreparedChat:
     reasoning: ReasoningFormat | None = None
     after: tuple[int, ...] = ()
     prompt_text: str = ""  # the rendered template the ids encode
+    opener: int | None = None  # the start tag whose opening makes the constraint wait
 
 
 def prepare_chat(
@@ -113,9 +119,12 @@ def prepare_chat(
         return PreparedChat(plan, constraint, prompt.ids, params, prompt_text=prompt.text)
     reasoning = reasoning.for_prompt(prompt.text)
     after: tuple[int, ...] = ()
-    if constraint is not None and reasoning.starts_inside:
-        after = reasoning.end_marker_ids(ctx.tokenizer)
-    return PreparedChat(plan, constraint, prompt.ids, params, reasoning, after, prompt.text)
+    opener = None
+    if constraint is not None:
+        opener = reasoning.opener_id(ctx.tokenizer, prompt.text)
+        if reasoning.starts_inside or opener is not None:
+            after = reasoning.end_marker_ids(ctx.tokenizer)
+    return PreparedChat(plan, constraint, prompt.ids, params, reasoning, after, prompt.text, opener)
 
 
 class _ChatFormatter:

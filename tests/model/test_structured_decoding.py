@@ -548,3 +548,50 @@ def test_a_constraint_with_after_waits_for_those_tokens(compiler, smollm_tokeniz
     assert step(free[0])
     assert choice.grammar_spec == StructuredOutputs("choice", json.dumps(["yes", "no"]))
     assert choice.grammar_start(row.output_token_ids) is None
+
+
+def test_an_opener_lets_the_first_token_open_a_think_block_or_start_the_grammar(
+    compiler, smollm_tokenizer
+):
+    """``StructuredOutputs.opener`` (a model that chooses whether to think): the first
+    token may be the grammar's or the opener. Opening defers the grammar to the end
+    marker; any other first token is already the grammar's."""
+    marker = tuple(smollm_tokenizer.encode("</think>", add_special_tokens=False))
+    opener = smollm_tokenizer.encode("<|im_start|>", add_special_tokens=False)[0]  # one token
+    options = json.dumps(["yes", "no"])
+    spec = StructuredOutputs("choice", options, after=marker, opener=opener)
+    assert spec.grammar_spec == StructuredOutputs("choice", options)
+    generator = torch.Generator().manual_seed(3)
+
+    def run(first_choice: str) -> list[int]:
+        decoding = GrammarDecoding(compiler)
+        (row,) = rows_for([spec])
+        for index in range(40):
+            logits = torch.randn(1, compiler.vocab_size, generator=generator)
+            if index == 0:  # make the wanted first choice the likeliest
+                logits[0, opener] = 50.0 if first_choice == "open" else -50.0
+            decoding.mask(logits, [row])
+            if index == 0:
+                allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+                assert opener in allowed and len(allowed) > 1  # the grammar's and the opener
+            token = int(logits.argmax())
+            if first_choice == "open" and 1 <= index <= len(marker) + 2:
+                reasoning = smollm_tokenizer.encode("ok", add_special_tokens=False)
+                script = [*reasoning, *marker]
+                token = script[index - 1] if index - 1 < len(script) else token
+            completed = decoding.accept([row], [token])
+            row.output_token_ids.append(token)
+            if completed:
+                break
+        return row.output_token_ids
+
+    opened = run("open")
+    assert opened[0] == opener
+    answer_from = opened.index(marker[-1]) + 1
+    answer = smollm_tokenizer.decode(opened[answer_from:])
+    assert answer in ("yes", "no"), answer
+    direct = run("answer")
+    assert direct[0] != opener
+    assert smollm_tokenizer.decode(direct) in ("yes", "no")
+    with pytest.raises(ValueError, match="opener needs"):
+        StructuredOutputs("choice", options, opener=opener)

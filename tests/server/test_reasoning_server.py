@@ -124,3 +124,74 @@ def test_a_constraint_applies_after_the_reasoning(r1_server: LiveServer) -> None
     message = chat.choices[0].message
     assert (message.model_extra or {})["reasoning"] == REASONING
     assert isinstance(json.loads(message.content or ""), dict)
+
+
+def test_a_model_that_chooses_to_think_may_open_a_block_before_the_constraint(
+    agent_server: LiveServer,
+) -> None:
+    """Qwen3's way: the template leaves thinking to the model. Its first token may open a
+    think block (the scripted model does), which defers the JSON constraint to the
+    block's end; the reasoning comes back whole and the answer follows the constraint."""
+    chat = client(agent_server).chat.completions.create(
+        model=MODEL,
+        messages=ASK,  # type: ignore[arg-type]
+        response_format={"type": "json_object"},
+        max_tokens=40,
+        temperature=0,
+    )
+    message = chat.choices[0].message
+    assert (message.model_extra or {})["reasoning"] == REASONING
+    assert isinstance(json.loads(message.content or ""), dict)
+
+
+def test_a_forced_call_waits_for_the_reasoning(agent_server: LiveServer) -> None:
+    from tests.server.test_tool_calling import TOOLS
+
+    chat = client(agent_server).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "The weather in Paris?"}],
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=200,
+        temperature=0,
+    )
+    message = chat.choices[0].message
+    assert (message.model_extra or {})["reasoning"] == REASONING
+    (call,) = message.tool_calls or []
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    assert isinstance(json.loads(call.function.arguments), dict)  # type: ignore[union-attr]
+
+
+# Qwen3's template with ``enable_thinking: false``: an empty block closed in the prompt.
+THINKING_OFF_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endfor %}<|im_start|>assistant\n<think></think>"
+)
+
+
+@pytest.fixture(scope="module")
+def thinking_off_server(scripted_built: Any) -> Iterator[LiveServer]:
+    with live_server(scripted_built, agent_settings(chat_template=THINKING_OFF_TEMPLATE)) as live:
+        yield live
+
+
+def test_thinking_off_puts_the_constraint_on_the_first_token(
+    thinking_off_server: LiveServer,
+) -> None:
+    """With the block closed in the prompt nothing may open one: the constraint governs
+    from the first token, and there is no reasoning."""
+    resp = httpx.post(
+        f"{thinking_off_server.v1}/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": ASK,
+            "response_format": {"type": "json_object"},
+            "max_tokens": 40,
+            "temperature": 0,
+        },
+        timeout=120,
+    )
+    assert resp.status_code == 200, resp.text
+    message = resp.json()["choices"][0]["message"]
+    assert not message.get("reasoning")
+    assert isinstance(json.loads(message["content"]), dict)
