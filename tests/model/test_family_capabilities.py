@@ -5,15 +5,14 @@ test_hybrid_engine.py asks of the sliding-window families (whose scenarios these
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
 
 from engine.model.loader import model_from_reference
-from tests.model.engine_helpers import greedy, make_core, reference_greedy, run_all
+from tests.model.engine_helpers import reference_greedy
 from tests.model.family_models import FAMILIES, base, random_reference
-from tests.model.test_hybrid_engine import MAX_TOKENS, PROMPTS, SCENARIOS
+from tests.model.test_hybrid_engine import MAX_TOKENS, PROMPTS, SCENARIOS, check_scenario
 
 FULL_ATTENTION = ("qwen3", "phi3", "olmo2", "granite", "mixtral", "qwen3_moe")
 # Blocks of 4 tokens that admit "b" (15) and "c" (11) together but not their growth by
@@ -46,21 +45,7 @@ def family(request: pytest.FixtureRequest) -> tuple[str, Any, dict[str, list[int
 def test_greedy_tokens_equal_transformers_on_every_block_path(
     family, kernels, scenario: str
 ) -> None:
-    name, reference, expected = family
+    _, reference, expected = family
     model = model_from_reference(reference).replace(kernels=kernels)
     assert not model.spec.kv_shape("float32").is_hybrid
-    cache, scheduler = SCENARIOS[scenario]
-    if scenario in ("recompute", "swap"):
-        cache = dataclasses.replace(cache, num_device_blocks=TIGHT_POOL)
-    core = make_core(model, cache, scheduler)
-    outputs = run_all(core, {"a": PROMPTS["a"]}, {"a": greedy(MAX_TOKENS)})
-    rest = {rid: p for rid, p in PROMPTS.items() if rid != "a"}
-    outputs |= run_all(core, rest, {rid: greedy(MAX_TOKENS) for rid in rest})
-    assert outputs == expected, name
-    stats = core.stats()
-    if scenario in ("recompute", "swap"):
-        assert stats.preemptions_total[scenario] > 0
-    else:
-        assert stats.prefix_cache_hits_total > 0  # "c" reused "a"'s head
-    if scenario == "speculative":
-        assert stats.spec_drafts_total > 0
+    check_scenario(model, scenario, expected, tight_pool=TIGHT_POOL)

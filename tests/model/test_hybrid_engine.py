@@ -74,14 +74,28 @@ def test_greedy_tokens_equal_transformers_past_the_window(family, kernels, scena
     model = model_from_reference(reference).replace(kernels=kernels)
     groups = model.spec.kv_shape("float32").groups
     assert any(g.window == WINDOW for g in groups), "the model has sliding groups"
+    check_scenario(model, scenario, expected, tight_pool=TIGHT_POOL[name], groups=groups)
+
+
+def check_scenario(
+    model: Any,
+    scenario: str,
+    expected: dict[str, list[int]],
+    *,
+    tight_pool: int,
+    groups: tuple[Any, ...] = (),
+) -> None:
+    """Run ``PROMPTS`` through a real engine in ``scenario`` ("a" first, then "b" and "c"
+    together; ``tight_pool`` blocks where it preempts); greedy tokens must equal
+    ``expected`` and the scenario's path must have been taken."""
     cache, scheduler = SCENARIOS[scenario]
     if scenario in ("recompute", "swap"):
-        cache = dataclasses.replace(cache, num_device_blocks=TIGHT_POOL[name])
+        cache = dataclasses.replace(cache, num_device_blocks=tight_pool)
     core = make_core(model, cache, scheduler, groups=groups)
     outputs = run_all(core, {"a": PROMPTS["a"]}, {"a": greedy(MAX_TOKENS)})
     rest = {rid: p for rid, p in PROMPTS.items() if rid != "a"}
     outputs |= run_all(core, rest, {rid: greedy(MAX_TOKENS) for rid in rest})
-    assert outputs == expected, name
+    assert outputs == expected
     stats = core.stats()
     if scenario in ("recompute", "swap"):
         assert stats.preemptions_total[scenario] > 0
