@@ -111,10 +111,10 @@ def test_reasoning_effort_reaches_the_template(r1_server: LiveServer) -> None:
     assert bad.status_code == 400 and "reasoning_effort" in bad.json()["error"]["message"]
 
 
-def test_a_constraint_applies_after_the_reasoning(r1_server: LiveServer) -> None:
-    """The template opened the block: the model reasons freely, and the JSON constraint
-    governs only what follows ``</think>`` (the scripted model would say "Hello")."""
-    chat = client(r1_server).chat.completions.create(
+def assert_reasoning_then_json(server: LiveServer) -> None:
+    """A JSON-object request: the scripted reasoning comes back whole, the answer is JSON
+    (the scripted model would say "Hello" unconstrained)."""
+    chat = client(server).chat.completions.create(
         model=MODEL,
         messages=ASK,  # type: ignore[arg-type]
         response_format={"type": "json_object"},
@@ -124,6 +124,12 @@ def test_a_constraint_applies_after_the_reasoning(r1_server: LiveServer) -> None
     message = chat.choices[0].message
     assert (message.model_extra or {})["reasoning"] == REASONING
     assert isinstance(json.loads(message.content or ""), dict)
+
+
+def test_a_constraint_applies_after_the_reasoning(r1_server: LiveServer) -> None:
+    """The template opened the block: the model reasons freely, and the JSON constraint
+    governs only what follows ``</think>`` (the scripted model would say "Hello")."""
+    assert_reasoning_then_json(r1_server)
 
 
 def test_a_model_that_chooses_to_think_may_open_a_block_before_the_constraint(
@@ -132,16 +138,7 @@ def test_a_model_that_chooses_to_think_may_open_a_block_before_the_constraint(
     """Qwen3's way: the template leaves thinking to the model. Its first token may open a
     think block (the scripted model does), which defers the JSON constraint to the
     block's end; the reasoning comes back whole and the answer follows the constraint."""
-    chat = client(agent_server).chat.completions.create(
-        model=MODEL,
-        messages=ASK,  # type: ignore[arg-type]
-        response_format={"type": "json_object"},
-        max_tokens=40,
-        temperature=0,
-    )
-    message = chat.choices[0].message
-    assert (message.model_extra or {})["reasoning"] == REASONING
-    assert isinstance(json.loads(message.content or ""), dict)
+    assert_reasoning_then_json(agent_server)
 
 
 def test_a_forced_call_waits_for_the_reasoning(agent_server: LiveServer) -> None:
