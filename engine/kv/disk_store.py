@@ -125,8 +125,10 @@ class DiskStore:
         fingerprint: DiskFingerprint,
         *,
         queue_depth: int = DEFAULT_QUEUE_DEPTH,
+        maintenance_interval_s: float = MAINTENANCE_INTERVAL_S,
     ) -> None:
         self.directory = Path(directory)
+        self.maintenance_interval_s = maintenance_interval_s
         self.capacity_bytes = capacity_bytes
         self.fingerprint = fingerprint
         self.counters = DiskCounters()
@@ -243,7 +245,7 @@ class DiskStore:
 
     def _write_loop(self) -> None:
         """Writes first; with none waiting, one start-up entry's checksum at a time, and
-        a rescan of the directory every MAINTENANCE_INTERVAL_S."""
+        a rescan of the directory every ``maintenance_interval_s``."""
         while True:
             if self._queue.empty():
                 self._sync_directory()
@@ -251,11 +253,11 @@ class DiskStore:
                 if self._unverified:
                     item = self._queue.get_nowait()
                 else:
-                    item = self._queue.get(timeout=MAINTENANCE_INTERVAL_S)
+                    item = self._queue.get(timeout=self.maintenance_interval_s)
             except queue.Empty:
                 if self._unverified:
                     self._verify_next()
-                elif time.monotonic() - self.bound.listed_at >= MAINTENANCE_INTERVAL_S:
+                elif time.monotonic() - self.bound.listed_at >= self.maintenance_interval_s:
                     self._maintain()
                 continue
             try:

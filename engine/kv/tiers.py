@@ -52,7 +52,8 @@ class DiskIndex(Protocol):
     """What the planner needs from the disk store (engine/kv/disk_store.py)."""
 
     capacity_bytes: int
-    # Called from the store's writer thread with a hash it published or deleted.
+    # Called with a hash the store published, adopted from a peer process sharing its
+    # directory, or lost: from its writer thread, or the thread whose lookup found it.
     on_stored: Callable[[BlockHash], None] | None
     on_removed: Callable[[BlockHash], None] | None
 
