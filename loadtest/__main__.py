@@ -1,5 +1,6 @@
 """``python -m loadtest`` / ``kvserve-loadtest``: concurrent multi-turn conversations
-against one OpenAI-compatible server, with a JSON result and a PNG report."""
+against one OpenAI-compatible server (or a router, or several replicas directly), with a
+JSON result and a PNG report."""
 
 from __future__ import annotations
 
@@ -35,7 +36,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _target_options(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
-        "--url", type=types.url, default="http://127.0.0.1:8000", help="server root URL"
+        "--url",
+        type=types.url_list,
+        action="extend",
+        default=None,
+        help="server root URL (default http://127.0.0.1:8000); repeat it or give a comma "
+        "list to drive several replicas directly (see --routing)",
+    )
+    group.add_argument(
+        "--routing",
+        choices=("conversation", "request"),
+        default="conversation",
+        help="several --url: pin each conversation to one replica (assigned round-robin), "
+        "or send each request to the next replica in turn",
+    )
+    group.add_argument(
+        "--replica-url",
+        type=types.url_list,
+        action="extend",
+        default=None,
+        help="a replica behind the --url router (repeatable, or a comma list): its /metrics "
+        "give the per-replica figures (requests, prefix-cache hit rate, tokens, TTFT)",
     )
     group.add_argument("--model", default=None, help="model name (unset: the first of /v1/models)")
     group.add_argument("--api-key", default=None, help="sent as a Bearer token (unset: no header)")
@@ -163,8 +184,12 @@ def load_plotter() -> Callable[[dict[str, Any], Path], None] | None:
 
 
 def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
+    urls = args.url or ["http://127.0.0.1:8000"]
     return LoadTestConfig(
-        url=args.url,
+        url=urls[0],
+        urls=tuple(urls) if len(urls) > 1 else (),
+        routing=args.routing,
+        replica_urls=tuple(args.replica_url or ()),
         model=args.model,
         api_key=args.api_key,
         concurrency=args.concurrency,

@@ -56,3 +56,8 @@ def url(text: str) -> str:
     if not text.startswith(("http://", "https://")):
         raise argparse.ArgumentTypeError(f"must start with http:// or https://, got {text!r}")
     return text
+
+
+def url_list(text: str) -> list[str]:
+    """One URL or a comma-separated list of them (for repeatable URL flags)."""
+    return [url(part.strip()) for part in text.split(",") if part.strip()]

@@ -41,6 +41,7 @@ class RequestRecord:
     usage_reported: bool = False
     finish_reason: str | None = None
     text: str = ""
+    target: str | None = None  # the server root it was sent to
 
     @property
     def ok(self) -> bool:

@@ -14,6 +14,14 @@ from typing import Literal
 
 LengthKind = Literal["fixed", "uniform", "lognormal"]
 LENGTH_KINDS: tuple[str, ...] = ("fixed", "uniform", "lognormal")
+RoutingMode = Literal["conversation", "request"]
+ROUTING_MODES: tuple[str, ...] = ("conversation", "request")
+
+
+def server_root(url: str) -> str:
+    """The server root of a URL: a trailing ``/`` or ``/v1`` is dropped."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
 @dataclass(frozen=True)
@@ -90,9 +98,19 @@ class LoadTestConfig:
     ``concurrency`` open at once; beyond that the arrival waits for one to become idle).
     The run ends at the first of: all conversations done, ``max_requests`` sent,
     ``duration_s`` elapsed (in-flight requests then get ``drain_timeout_s`` to finish).
+
+    Several replicas: ``urls`` (two or more) drives them directly, ``url`` is then unused;
+    ``routing`` "conversation" pins conversation ``i`` to ``urls[i % N]`` (round-robin
+    assignment, so a conversation's history stays in one replica's prefix cache),
+    "request" sends each request to the next URL in turn. ``replica_urls`` names the
+    replicas behind a router (``url``); their ``/metrics`` give the per-replica figures.
+    Without ``replica_urls`` a direct multi-URL run scrapes its ``urls``.
     """
 
     url: str = "http://127.0.0.1:8000"
+    urls: tuple[str, ...] = ()
+    routing: RoutingMode = "conversation"
+    replica_urls: tuple[str, ...] = ()
     model: str | None = None
     api_key: str | None = None
     concurrency: int = 8
@@ -115,8 +133,11 @@ class LoadTestConfig:
     slo: SLO = field(default_factory=SLO)
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"url must start with http:// or https://, not {self.url!r}")
+        for url in (self.url, *self.urls, *self.replica_urls):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"url must start with http:// or https://, not {url!r}")
+        if self.routing not in ROUTING_MODES:
+            raise ValueError(f"routing must be one of {ROUTING_MODES}, not {self.routing!r}")
         positive = {"concurrency": self.concurrency, "turns": self.turns}
         positive["max_tokens"] = self.max_tokens
         for name, value in positive.items():
@@ -137,10 +158,22 @@ class LoadTestConfig:
             raise ValueError("scrape interval and request timeout must be > 0")
 
     @property
+    def target_urls(self) -> tuple[str, ...]:
+        """The server roots requests go to: ``urls`` when given, else ``url``."""
+        return tuple(server_root(u) for u in self.urls) or (server_root(self.url),)
+
+    @property
     def base_url(self) -> str:
-        """The server root: a trailing ``/`` or ``/v1`` in the given URL is dropped."""
-        url = self.url.rstrip("/")
-        return url[: -len("/v1")] if url.endswith("/v1") else url
+        """The (first) server root: a trailing ``/`` or ``/v1`` in the URL is dropped."""
+        return self.target_urls[0]
+
+    @property
+    def scraped_replicas(self) -> tuple[str, ...]:
+        """Server roots whose ``/metrics`` give per-replica figures: ``replica_urls``, or
+        the targets of a direct run over several URLs, else none."""
+        if self.replica_urls:
+            return tuple(server_root(u) for u in self.replica_urls)
+        return self.target_urls if len(self.target_urls) > 1 else ()
 
     @property
     def total_conversations(self) -> int:

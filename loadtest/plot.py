@@ -130,7 +130,8 @@ def _events_panel(ax: Axes, samples: Samples) -> None:
         _no_data(ax, "no preemption/swap/prefix metrics")
         return
     handles = ax.get_lines() + tokens.get_lines()
-    ax.legend(handles, [h.get_label() for h in handles], loc="upper left", fontsize="small")
+    labels = [str(h.get_label()) for h in handles]
+    ax.legend(handles, labels, loc="upper left", fontsize="small")
 
 
 def plot_report(document: dict[str, Any], path: Path) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.client import STATUS_CANCELLED
+from loadtest.replica_report import replicas_section
 from loadtest.runner import RunResult
 from loadtest.scrape import COUNTER_KEYS, METRICS
 from loadtest.stats import metric_deltas, metric_peaks, summarize, throughput_series
@@ -17,7 +18,12 @@ JSON_SCHEMA_VERSION = 1
 
 
 def build_result(result: RunResult) -> dict[str, Any]:
-    """The JSON document of a run: config, summary, server metrics, series, requests."""
+    """The JSON document of a run: config, summary, server metrics, series, requests.
+
+    ``server_metrics`` is the scrape of ``target.url`` (the router, or the first of several
+    direct targets); ``replicas`` holds the per-replica figures of
+    ``config.scraped_replicas`` (``loadtest.replica_report``), empty without replicas.
+    """
     delivered = [r for r in result.records if r.ok or r.status == STATUS_CANCELLED]
     summary = summarize(result.records, result.duration_s, result.config.slo)
     config = dataclasses.asdict(result.config)
@@ -26,7 +32,12 @@ def build_result(result: RunResult) -> dict[str, Any]:
     return {
         "schema_version": JSON_SCHEMA_VERSION,
         "started_at": result.started_at,
-        "target": {"url": result.config.base_url, "model": result.model},
+        "target": {
+            "url": result.config.base_url,
+            "model": result.model,
+            "urls": list(result.config.target_urls),
+            "routing": result.config.routing,
+        },
         "config": config,
         "stopped_by": result.stopped_by,
         "summary": summary,
@@ -39,6 +50,7 @@ def build_result(result: RunResult) -> dict[str, Any]:
             "throughput": throughput_series(delivered, result.duration_s),
             "server_metrics": result.metric_samples,
         },
+        "replicas": replicas_section(result.replicas, result.records, result.config.target_urls),
         "requests": [r.to_json() for r in result.records],
     }
 
@@ -91,4 +103,27 @@ def format_summary(document: dict[str, Any]) -> str:
         lines.append("server   " + "  ".join(f"{k} {v:g}" for k, v in sorted(shown.items())))
     else:
         lines.append("server   no Prometheus /metrics found")
+    lines.extend(_replica_lines(document.get("replicas") or {}))
     return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _replica_lines(replicas: dict[str, Any]) -> list[str]:
+    """One line per replica and one for their sum (none without replicas)."""
+    rows = [*replicas.get("per_replica", []), {"url": "all", **replicas.get("aggregate", {})}]
+    if len(rows) < 2:
+        return []
+    lines = []
+    for row in rows:
+        ttft = row.get("ttft_s") or {}
+        state = "" if row.get("reachable_at_end", True) else "  (unreachable at the end)"
+        lines.append(
+            f"replica  {row['url']}  requests {row.get('requests_finished') or 0:g}  "
+            f"prefix hits {_ratio(row.get('prefix_cache_hit_rate'))}  "
+            f"generated {row.get('generation_tokens') or 0:g}  "
+            f"server TTFT p50 {_ms(ttft.get('p50'))} p95 {_ms(ttft.get('p95'))}{state}"
+        )
+    return lines

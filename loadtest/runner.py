@@ -1,7 +1,8 @@
 """Drive conversations against the server: closed-loop concurrency or Poisson arrivals.
 
-Every request goes to ``{config.base_url}/v1/chat/completions`` and nowhere else; the
-run stops by itself at its bound (see ``LoadTestConfig``).
+Every request goes to ``{target}/v1/chat/completions`` for a target of
+``config.target_urls`` (``TargetPicker``) and nowhere else; the run stops by itself at its
+bound (see ``LoadTestConfig``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from loadtest.client import ChatRequest, RequestRecord, stream_chat
 from loadtest.config import LoadTestConfig
 from loadtest.progress import ProgressBar
 from loadtest.prompts import Conversation, shared_system_prompt
+from loadtest.replicas import ReplicaScrapers, ReplicaState
 from loadtest.scrape import MetricsScraper
+from loadtest.targets import TargetPicker
 
 PROGRESS_TICK_S = 0.5
 
@@ -38,6 +41,7 @@ class RunResult:
     records: list[RequestRecord] = field(default_factory=list)
     metric_samples: list[dict[str, float]] = field(default_factory=list)
     metrics_available: bool = False
+    replicas: list[ReplicaState] = field(default_factory=list)  # config.scraped_replicas
 
 
 class RunContext:
@@ -52,6 +56,7 @@ class RunContext:
         self.stop_event = asyncio.Event()
         self.stopped_by = "completed"
         self.system_prompt = shared_system_prompt(config.system_prompt_len, config.seed)
+        self.targets = TargetPicker(config.target_urls, config.routing)
         self._requests_sent = 0
 
     @property
@@ -109,11 +114,12 @@ class RunContext:
             ignore_eos=self.config.ignore_eos,
             seed=self._request_seed(conversation) if self.config.temperature > 0 else None,
         )
+        target = self.targets.pick(conversation.conversation_id)
         record = RequestRecord(conversation.conversation_id, conversation.turns_done, 0.0)
+        record.target = target
         self.records.append(record)
         record.start = self.elapsed()
-        url = f"{self.config.base_url}/v1/chat/completions"
-        await stream_chat(self.client, url, request, record, self.t0)
+        await stream_chat(self.client, f"{target}/v1/chat/completions", request, record, self.t0)
         if record.ok:
             conversation.record_reply(record.text)
         else:
@@ -245,7 +251,8 @@ def _progress_figures(ctx: RunContext) -> tuple[int, int, int, float]:
 
 def _client(config: LoadTestConfig) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    slots = config.concurrency + 4  # the scraper and model discovery need their own
+    # The scrapers and model discovery need their own connections.
+    slots = config.concurrency + 4 + len(config.scraped_replicas)
     return httpx.AsyncClient(
         headers=headers,
         timeout=httpx.Timeout(config.request_timeout_s, connect=30.0),
@@ -269,6 +276,11 @@ async def run_loadtest(config: LoadTestConfig, *, progress: bool = True) -> RunR
         scrape_task = asyncio.create_task(
             scraper.poll() if await scraper.start() else asyncio.sleep(0)
         )
+        replicas = ReplicaScrapers(
+            client, config.scraped_replicas, config.scrape_interval_s, ctx.t0
+        )
+        await replicas.scrape_all()  # the baseline, before the first request
+        replica_task = asyncio.create_task(replicas.poll())
         bar = ProgressBar(config.request_limit, enabled=progress)
         progress_task = asyncio.create_task(_tick_progress(ctx, bar))
         drive: Awaitable[None] = (
@@ -279,8 +291,10 @@ async def run_loadtest(config: LoadTestConfig, *, progress: bool = True) -> RunR
         await _cancel(progress_task)
         bar.close(*_progress_figures(ctx))
         await _cancel(scrape_task)
+        await _cancel(replica_task)
         if scraper.available:
             await scraper.scrape_once()  # final counters, after the last request
+        await replicas.finish()
     return RunResult(
         config=config,
         model=model,
@@ -290,4 +304,5 @@ async def run_loadtest(config: LoadTestConfig, *, progress: bool = True) -> RunR
         records=ctx.records,
         metric_samples=scraper.samples,
         metrics_available=bool(scraper.available),
+        replicas=replicas.states,
     )

@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,11 @@ class FakeBehaviour:
     running: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
     auth_headers: list[str | None] = field(default_factory=list)
+    # What the fake exports as kvserve's per-request counters (finished streams only).
+    finished: int = 0
+    generated: int = 0
+    queried_words: int = 0
+    cached_words: int = 0
 
 
 def _words(messages: list[dict[str, str]]) -> int:
@@ -71,6 +77,10 @@ async def _stream(body: dict[str, Any], state: FakeBehaviour, truncate: bool) ->
             if truncate:
                 return
         yield _chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+        state.finished += 1
+        state.generated += body["max_tokens"]
+        state.queried_words += _words(body["messages"])
+        state.cached_words += _words(body["messages"][:-1])
         if state.report_usage and body.get("stream_options", {}).get("include_usage"):
             usage = {
                 "prompt_tokens": _words(body["messages"]),
@@ -115,6 +125,21 @@ def fake_app(state: FakeBehaviour) -> FastAPI:
             "# TYPE kvserve_preemptions_total counter\n"
             f'kvserve_preemptions_total{{mode="recompute"}} {state.requests_seen}\n'
             f'kvserve_preemptions_total{{mode="swap"}} {2 * state.requests_seen}\n'
+            "# TYPE kvserve_requests_finished_total counter\n"
+            f'kvserve_requests_finished_total{{finish_reason="length"}} {state.finished}\n'
+            "# TYPE kvserve_generation_tokens_total counter\n"
+            f"kvserve_generation_tokens_total {state.generated}\n"
+            "# TYPE kvserve_prefix_cache_queried_tokens_total counter\n"
+            f"kvserve_prefix_cache_queried_tokens_total {state.queried_words}\n"
+            "# TYPE kvserve_prefix_cache_hit_tokens_total counter\n"
+            f"kvserve_prefix_cache_hit_tokens_total {state.cached_words}\n"
+            # Every first token comes after ttft_s: all in the bucket that holds it.
+            "# TYPE kvserve_time_to_first_token_seconds histogram\n"
+            f'kvserve_time_to_first_token_seconds_bucket{{le="0.1"}} 0\n'
+            f'kvserve_time_to_first_token_seconds_bucket{{le="0.4"}} {state.finished}\n'
+            f'kvserve_time_to_first_token_seconds_bucket{{le="+Inf"}} {state.finished}\n'
+            f"kvserve_time_to_first_token_seconds_count {state.finished}\n"
+            f"kvserve_time_to_first_token_seconds_sum {state.finished * state.ttft_s}\n"
         )
         return PlainTextResponse(text)
 
@@ -123,6 +148,18 @@ def fake_app(state: FakeBehaviour) -> FastAPI:
 
 @pytest.fixture
 def fake_server() -> Iterator[tuple[str, FakeBehaviour]]:
+    with _serve_fake() as served:
+        yield served
+
+
+@pytest.fixture
+def two_fake_servers() -> Iterator[list[tuple[str, FakeBehaviour]]]:
+    with _serve_fake() as first, _serve_fake() as second:
+        yield [first, second]
+
+
+@contextmanager
+def _serve_fake() -> Iterator[tuple[str, FakeBehaviour]]:
     state = FakeBehaviour()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -135,10 +172,12 @@ def fake_server() -> Iterator[tuple[str, FakeBehaviour]]:
     while not server.started:
         assert time.monotonic() < deadline, "fake server did not start"
         time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", state
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    try:
+        yield f"http://127.0.0.1:{port}", state
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
 
 
 def _run(config: LoadTestConfig) -> dict[str, Any]:
@@ -378,3 +417,79 @@ def test_poisson_mode_stops_at_its_duration(fake_server: tuple[str, FakeBehaviou
     requests = doc["summary"]["requests"]
     assert requests["failed"] == 0 and 3 <= requests["completed"] <= 60
     assert {r["conversation_id"] for r in doc["requests"]} <= set(range(4))
+
+
+def test_direct_replicas_pin_conversations_and_add_up(
+    two_fake_servers: list[tuple[str, FakeBehaviour]],
+) -> None:
+    (url_a, state_a), (url_b, state_b) = two_fake_servers
+    config = LoadTestConfig(
+        urls=(url_a, url_b + "/v1"),
+        concurrency=4,
+        num_conversations=5,
+        turns=3,
+        max_tokens=4,
+        system_prompt_len=8,
+        scrape_interval_s=0.05,
+    )
+    doc = _run(config)
+    assert doc["target"]["urls"] == [url_a, url_b] and doc["target"]["routing"] == "conversation"
+    # Conversations 0, 2, 4 on the first replica, 1, 3 on the second, every turn.
+    for record in doc["requests"]:
+        assert record["target"] == (url_a, url_b)[record["conversation_id"] % 2]
+    assert (state_a.requests_seen, state_b.requests_seen) == (9, 6)
+    per_replica, total = doc["replicas"]["per_replica"], doc["replicas"]["aggregate"]
+    assert [r["url"] for r in per_replica] == [url_a, url_b]
+    assert [r["requests_finished"] for r in per_replica] == [9, 6]
+    assert [r["client"]["completed"] for r in per_replica] == [9, 6]
+    assert total["requests_finished"] == 15 == doc["summary"]["requests"]["completed"]
+    for key in ("generation_tokens", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens"):
+        assert total[key] == sum(r[key] for r in per_replica) > 0
+    assert total["generation_tokens"] == doc["summary"]["tokens"]["output"] == 15 * 4
+    assert total["prefix_cache_hit_rate"] == pytest.approx(
+        total["prefix_cache_hit_tokens"] / total["prefix_cache_queried_tokens"]
+    )
+    assert [r["share_of_requests"] for r in per_replica] == pytest.approx([0.6, 0.4])
+    # The fake's TTFT histogram holds every first token in (0.1, 0.4]: p50 interpolates.
+    for row in (*per_replica, total):
+        assert row["ttft_s"]["mean"] == pytest.approx(TTFT_S)
+        assert 0.1 < row["ttft_s"]["p50"] < row["ttft_s"]["p95"] <= 0.4
+    assert total["ttft_s"]["count"] == 15
+
+
+def test_request_routing_alternates_replicas(
+    two_fake_servers: list[tuple[str, FakeBehaviour]],
+) -> None:
+    (url_a, state_a), (url_b, state_b) = two_fake_servers
+    config = LoadTestConfig(
+        urls=(url_a, url_b), routing="request", concurrency=1, turns=4, max_tokens=2
+    )
+    doc = _run(config)
+    assert [r["target"] for r in doc["requests"]] == [url_a, url_b, url_a, url_b]
+    assert state_a.requests_seen == state_b.requests_seen == 2
+
+
+def test_replicas_behind_a_router_are_scraped(
+    two_fake_servers: list[tuple[str, FakeBehaviour]], tmp_path: Path
+) -> None:
+    """The first fake stands in for a router: all requests go to it; both are named as
+    replicas, so the idle one shows zero requests and the sum still matches."""
+    (url_a, _), (url_b, state_b) = two_fake_servers
+    json_path = tmp_path / "result.json"
+    argv = ["--url", url_a, "--replica-url", f"{url_a},{url_b}", "-c", "2", "-t", "2"]
+    argv += ["--max-tokens", "3", "--json", str(json_path), "--no-progress"]
+    assert main(argv) == 0
+    doc = json.loads(json_path.read_text())
+    assert doc["target"]["urls"] == [url_a]
+    per_replica = doc["replicas"]["per_replica"]
+    assert [r["requests_finished"] for r in per_replica] == [4, 0] and state_b.requests_seen == 0
+    assert doc["replicas"]["aggregate"]["requests_finished"] == 4
+    assert "client" in per_replica[0] and "client" not in per_replica[1]
+    assert all(r["reachable_at_end"] for r in per_replica)
+
+
+def test_single_server_has_no_replica_figures(fake_server: tuple[str, FakeBehaviour]) -> None:
+    url, _ = fake_server
+    doc = _run(LoadTestConfig(url=url, concurrency=1, turns=1, max_tokens=2))
+    assert doc["replicas"]["per_replica"] == []
+    assert doc["requests"][0]["target"] == url
