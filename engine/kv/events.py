@@ -17,7 +17,8 @@ from the one above, and can credit a host hit below a device hit.
 
 ``KVEventRecorder`` is what the cache reports to: the KV manager when it registers a
 computed block, the pools when they drop a hash, the tiers when they take or lose one, and
-the disk store's writer thread when a file is published or deleted; so it is thread-safe.
+the disk store when a file is published, adopted from a peer process sharing the
+directory, or deleted or found gone; so it is thread-safe.
 A tier store is announced with the token ids the device store recorded (``_Held``, kept
 while any medium holds the block, and for the ``recent`` blocks last held by none: a disk
 write lands after the host tier let the block go): a router indexes blocks by their

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -191,7 +192,7 @@ def test_a_replica_starts_warm_and_adopts_blocks_a_peer_publishes_later(tmp_path
     capacity = 200_000
     mine = DiskStore(tmp_path, capacity, FINGERPRINT)
     for i in range(5):
-        assert mine.submit(key(i), lambda i=i: payload(i))
+        assert mine.submit(key(i), partial(payload, i))
     assert mine.flush(10)
     peer = spawn("reader", tmp_path, capacity)
     try:
@@ -199,7 +200,7 @@ def test_a_replica_starts_warm_and_adopts_blocks_a_peer_publishes_later(tmp_path
         warm = ask(peer, "read 0 1 2 3 4")
         assert all(warm["read"].values()) and warm["stored"] == []
         for i in range(5, 10):
-            assert mine.submit(key(i), lambda i=i: payload(i))
+            assert mine.submit(key(i), partial(payload, i))
         assert mine.flush(10)
         later = ask(peer, "read 5 6 7 8 9")
         assert all(later["read"].values()), later
