@@ -243,7 +243,9 @@ def checkov_reports(*targets: str) -> list[dict[str, Any]]:
 @pytest.mark.slow
 def test_checkov_finds_nothing_beyond_the_recorded_skips() -> None:
     # checkov reads either directories or files in one run, so two runs.
-    reports = checkov_reports("-d", "deploy/kubernetes", "-d", "deploy/gateway")
+    reports = checkov_reports(
+        "-d", "deploy/kubernetes", "-d", "deploy/gateway", "-d", "deploy/llm-d"
+    )
     reports += checkov_reports("-f", "Dockerfile", "--framework", "dockerfile")
     assert {report["check_type"] for report in reports} >= {"kubernetes", "dockerfile"}
     failed = [
