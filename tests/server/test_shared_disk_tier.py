@@ -49,7 +49,8 @@ def test_a_replica_serves_from_disk_the_prefix_another_replica_computed(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     disk = tmp_path / "kv"
-    flags = ("--kernels", "torch", "--num-kv-blocks", "128", "--shutdown-timeout", "5")
+    flags: tuple[str, ...] = ("--kernels", "torch", "--num-kv-blocks", "128")
+    flags += ("--shutdown-timeout", "5")
     flags += ("--kv-cache-disk-dir", str(disk), "--kv-cache-disk-size", "0.05")
     text = prompt()
     with kvserve_process(tiny_model_dir, *flags) as b:
