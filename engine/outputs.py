@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# TokenLogprob and PromptLogprobChunk live in engine.logprobs (a leaf, so engine.request
+# can name them too) and stay importable from here.
+from engine.logprobs import PromptLogprobChunk, TokenLogprob
 from engine.request import FinishReason, SamplingParams
 
 # A block-table entry that holds no block: a sliding-window group's blocks wholly before
@@ -112,26 +115,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not (self.scheduled or self.swap_out or self.swap_in or self.copies or self.tier_ops)
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """The sampled token's logprob and the top alternatives (token id, logprob).
-    ``rank`` (1 = most likely) is filled for prompt tokens, which were not sampled."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-    rank: int | None = None
-
-
-@dataclass(frozen=True)
-class PromptLogprobChunk:
-    """Logprobs of consecutive prompt tokens scored in one forward piece; ``start`` is
-    the prompt position of the first entry (>= 1: the first prompt token has none)."""
-
-    start: int
-    entries: tuple[TokenLogprob, ...]
 
 
 @dataclass

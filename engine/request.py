@@ -13,10 +13,9 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-if TYPE_CHECKING:
-    from engine.outputs import TokenLogprob
+from engine.logprobs import TokenLogprob
 
 
 class FinishReason(str, enum.Enum):

@@ -18,10 +18,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine",)
-# Cycles that predate this check, each to be broken by its module's owner; none may grow.
-# engine.request imports TokenLogprob from engine.outputs for a type annotation while
-# engine.outputs imports FinishReason and SamplingParams from engine.request.
-KNOWN_CYCLES = (("engine.outputs", "engine.request"),)
+# Cycles tolerated for now, each to be broken by its module's owner; none may grow. Empty:
+# the last one (engine.outputs <-> engine.request over TokenLogprob) was broken by moving
+# the logprob types down into engine.logprobs.
+KNOWN_CYCLES: tuple[tuple[str, ...], ...] = ()
 
 
 def test_scheduler_and_kv_layer_import_no_torch_or_model_code() -> None:
