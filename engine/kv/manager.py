@@ -98,6 +98,29 @@ class KVCacheManager:
         tables = self.tables.get(request_id)
         return tables[group] if tables else []
 
+    def block_tables(self, request_id: str) -> Tables:
+        """The request's block tables, one per group, shared by reference (read-only):
+        what a scheduled step hands the runner. The request must hold device blocks."""
+        return self.tables[request_id]
+
+    def has_tables(self, request_id: str) -> bool:
+        """Whether the request holds device block tables (running or loading)."""
+        return request_id in self.tables
+
+    def has_host_tables(self, request_id: str) -> bool:
+        """Whether the request is swapped out to the host pool."""
+        return request_id in self.host_tables
+
+    def uses_host_blocks(self, request_id: str, host_blocks: set[int]) -> bool:
+        """Whether the swapped-out request holds any of ``host_blocks``."""
+        tables = self.host_tables.get(request_id, ())
+        return any(not host_blocks.isdisjoint(table) for table in tables)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Device blocks free for allocation (cached ones included: they can be evicted)."""
+        return self.device.num_free
+
     def num_blocks(self, request_id: str) -> int:
         """Device blocks the request holds, over every group (a sliding group's released
         leading entries are its only NULL ones once a request runs)."""
@@ -340,6 +363,13 @@ class KVCacheManager:
             rid, [kind.first_needed_block(start, self.block_size) for kind in self._sliding]
         )
         return True
+
+    def take_tier_ops(self) -> list[TierOp]:
+        """The tier loads and stores planned since the last call, for this step's output;
+        [] without tiers."""
+        if self.tiers is None:
+            return []
+        return self.tiers.take_ops()
 
     def write_ahead(self, window: int) -> list[TierOp]:
         """Host-tier copies of the cached blocks the next ``window`` allocations would
