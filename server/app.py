@@ -24,7 +24,7 @@ from server.body_reader import BodyReadMiddleware, send_error
 from server.chat_template import ChatTemplate
 from server.cors import add_cors
 from server.errors import APIError, install_error_handlers
-from server.responses.job import ResponsesState
+from server.responses.state import ResponsesState
 from server.responses.store import ResponseStore
 from server.routes import (
     chat,

@@ -14,12 +14,12 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from server.responses.output import ResponseOutput, Sequencer
 from server.responses.protocol import ResponsesRequest, flat_name
-from server.responses.store import ResponseStore, StoredResponse
+from server.responses.state import ResponsesState
+from server.responses.store import StoredResponse
 from server.responses.translate import call_names
 from server.routes.generation import ChoiceUpdate, GenerationRun
 from server.routes.streaming import named_sse
@@ -28,16 +28,6 @@ from server.tools.output import ChoiceOutput, choice_output
 
 def new_response_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
-
-
-@dataclass
-class ResponsesState:
-    """The server's responses: the store, and the jobs still running (by id)."""
-
-    store: ResponseStore = field(default_factory=ResponseStore)
-    running: dict[str, ResponseJob] = field(default_factory=dict)
-    # Background jobs' tasks, kept so they are not garbage-collected mid-run.
-    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
 
 class ResponseJob:

@@ -11,18 +11,12 @@ from engine.async_engine import AsyncEngine
 from server.chat_template import ChatTemplate
 from server.errors import APIError
 from server.request_cpu import RequestCpu
+from server.responses.state import ResponsesState
 from server.settings import ServerSettings
 from server.unknown_fields import IgnoredFields
 
 if TYPE_CHECKING:
     from server.metrics import RequestRecord, ServerMetrics
-    from server.responses.job import ResponsesState
-
-
-def _responses_state() -> ResponsesState:
-    from server.responses.job import ResponsesState
-
-    return ResponsesState()
 
 
 @dataclass(frozen=True)
@@ -46,8 +40,8 @@ class ServingContext:
     chat_template: ChatTemplate | None = None  # built from settings when None
     # The worker threads of requests' own CPU work (server/request_cpu.py).
     request_cpu: RequestCpu = field(default_factory=RequestCpu)
-    # The Responses API's stored and running responses (server/responses/job.py).
-    responses: ResponsesState = field(default_factory=lambda: _responses_state())
+    # The Responses API's stored and running responses (server/responses/state.py).
+    responses: ResponsesState = field(default_factory=ResponsesState)
     # The unknown fields requests carried and the server ignored (server/unknown_fields.py).
     ignored_fields: IgnoredFields = field(default_factory=IgnoredFields)
 

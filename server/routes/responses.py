@@ -19,8 +19,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest
 from server.request_body import OffLoopBodyRoute
-from server.responses.job import ResponseJob, ResponsesState, new_response_id
+from server.responses.job import ResponseJob, new_response_id
 from server.responses.protocol import ResponsesRequest
+from server.responses.state import ResponsesState
 from server.responses.translate import chat_request, input_messages
 from server.routes.chat import launch_chat
 from server.routes.context import Ctx, ServingContext
