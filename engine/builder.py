@@ -20,6 +20,9 @@ import torch
 
 from engine.config import DEFAULT_MAX_STEP_TIME_MS, CacheConfig, EngineArgs, SchedulerConfig
 from engine.core import EngineCore
+
+# Imported by name so resolve_dtype reads this module's global (tests patch it here).
+from engine.cpu_features import cpu_has_native_bf16
 from engine.cuda_runner import CudaModelRunner, decode_graph_reserve, uses_decode_graphs
 from engine.kv import accounting
 from engine.kv.accounting import CapacityPlan, KVShape, TierCapacity
@@ -95,16 +98,6 @@ def resolve_device(name: str) -> torch.device:
     if name not in ("cpu", "cuda"):
         raise ValueError(f"--device must be auto, cpu or cuda, not {name!r}")
     return torch.device(name)
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU has bf16 matrix units (AMX or AVX512-BF16); without them torch's
-    bf16 matmuls are emulated and slower than float32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

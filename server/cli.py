@@ -26,6 +26,7 @@ from engine.config import (
     KVEventsConfig,
     SpeculativeConfig,
 )
+from server.cli_flags import add_tier_flags
 from server.cli_frontend import add_frontend_arguments, frontend_settings
 from server.reasoning import REASONING_PARSERS
 from server.settings import (
@@ -225,24 +226,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     p.set_defaults(func=run_serve)
-
-
-def add_tier_flags(group: argparse._ArgumentGroup) -> None:
-    """Flags of the tiered prefix cache (engine/kv/tiers.py); shared with ``plan``."""
-    group.add_argument(
-        "--kv-cache-host-size",
-        type=float,
-        default=0.0,
-        help="host tier of the prefix cache, GiB (its own pool, not --swap-space; 0 = off)",
-    )
-    group.add_argument(
-        "--kv-cache-disk-dir",
-        default=None,
-        help="directory of the disk tier of the prefix cache (kept across restarts)",
-    )
-    group.add_argument(
-        "--kv-cache-disk-size", type=float, default=4.0, help="disk tier bound, GiB (LRU)"
-    )
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:

