@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -201,3 +202,50 @@ def test_small_kv_budget_preempts_without_errors(small_kv_kvserve_url: str, tmp_
     server = doc["server_metrics"]
     assert server["increase"]["preemptions_total"] > 0
     assert server["increase"]["generation_tokens_total"] == 24 * 24
+
+
+@pytest.fixture
+def two_kvserve_urls(tiny_model_dir: Path, tmp_path: Path) -> Iterator[list[str]]:
+    serve = contextmanager(_serve)  # each exit terminates (then kills) its server
+    with ExitStack() as stack:
+        args = ("--max-model-len", "1024")
+        yield [stack.enter_context(serve(tiny_model_dir, tmp_path, *args)) for _ in range(2)]
+
+
+def test_two_replicas_directly_add_up(two_kvserve_urls: list[str], tmp_path: Path) -> None:
+    """Two real replicas, conversations pinned round-robin: each replica's own counters
+    match what the load tester sent it, and the per-replica figures add up to the total."""
+    url_a, url_b = two_kvserve_urls
+    doc = _loadtest(
+        url_a,
+        tmp_path,
+        "--url",
+        url_b,
+        "-c",
+        "3",
+        "-n",
+        "5",
+        "-t",
+        "2",
+        "--max-tokens",
+        "16",
+        "--ignore-eos",
+        "--user-len",
+        "24",
+        "--system-prompt-len",
+        "32",
+    )
+    assert doc["target"]["urls"] == [url_a, url_b]
+    per_replica, total = doc["replicas"]["per_replica"], doc["replicas"]["aggregate"]
+    # Conversations 0, 2, 4 on the first replica, 1 and 3 on the second, 2 turns each.
+    assert [r["requests_finished"] for r in per_replica] == [6, 4]
+    assert [r["client"]["completed"] for r in per_replica] == [6, 4]
+    assert [r["generation_tokens"] for r in per_replica] == [6 * 16, 4 * 16]
+    assert total["requests_finished"] == doc["summary"]["requests"]["completed"] == 10
+    assert total["generation_tokens"] == doc["summary"]["tokens"]["output"] == 10 * 16
+    assert total["prompt_tokens"] == doc["summary"]["tokens"]["prompt"]
+    for key in ("prefix_cache_queried_tokens", "prefix_cache_hit_tokens"):
+        assert total[key] == sum(r[key] for r in per_replica)
+    # Second turns re-send their history to the same replica: both hit their cache.
+    assert all(r["prefix_cache_hit_rate"] > 0 for r in per_replica)
+    assert total["ttft_s"]["count"] == 10 and total["ttft_s"]["p50"] > 0
