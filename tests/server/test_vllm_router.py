@@ -96,9 +96,15 @@ def _chat(url: str, messages: list[dict[str, str]], max_tokens: int = 4) -> str:
 
 
 def _opening(index: int, words: int = 90) -> list[dict[str, str]]:
-    """A first user turn of its own (about ``words`` tokens: several KV blocks)."""
+    """A first user turn of its own (about ``words`` tokens: several KV blocks).
+
+    Its own system message too: without one the chat template puts the same default
+    system prompt first, and a router started after that first block was stored skips
+    every block chained onto it (vllm-router: "unknown parent; skipping unanchored store").
+    """
     text = f"conversation {index}: " + random_words(random.Random(index), words)
-    return [{"role": "user", "content": text}]
+    system = f"You are assistant number {index}."
+    return [{"role": "system", "content": system}, {"role": "user", "content": text}]
 
 
 def _served_by(replicas: list[Replica], before: list[float], timeout_s: float = 10.0) -> int:
@@ -157,33 +163,38 @@ def _client() -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=httpx.Timeout(CLIENT_TIMEOUT_S, connect=5.0))
 
 
+async def _until_running(
+    replica: Replica, other: Replica, streams: list[asyncio.Task[RequestRecord]]
+) -> None:
+    """Wait until every stream in ``streams`` runs on ``replica`` (none may end first)."""
+    deadline = time.monotonic() + 20
+    while _counters(replica).get("num_running", 0) < len(streams):
+        ended = [(t.result().status, t.result().error) for t in streams if t.done()]
+        assert time.monotonic() < deadline and not ended, (
+            f"the streams did not reach the replica: {ended}, "
+            f"{_counters(replica)}, {_counters(other)}"
+        )
+        await asyncio.sleep(0.05)
+
+
 def test_sigterm_drain_finishes_streams_and_takes_no_new_request(
     group: ReplicaGroup, tmp_path: Path
 ) -> None:
     survivor, drained = group.replicas[0], group.replicas[1]
     assert drained.managed is not None
     openings = [_opening(100 + i, words=40) for i in range(4)]
-    for messages in openings:  # their blocks live on the replica about to drain
-        messages.append({"role": "assistant", "content": _chat(drained.url, messages)})
-        messages.append({"role": "user", "content": "go on"})
 
     async def scenario(router: Router) -> None:
         t0 = time.perf_counter()
         async with _client() as client:
-            # One stream through the router (its prefix is on the replica: it lands there;
-            # a second one at once would be balanced away) and one straight to it.
-            streams = [
-                asyncio.create_task(_stream(client, url, _stream_request(messages, LONG), t0))
-                for url, messages in ((router.url, openings[0]), (drained.url, openings[1]))
-            ]
-            deadline = time.monotonic() + 20
-            while _counters(drained).get("num_running", 0) < 2:
-                ended = [(t.result().status, t.result().error) for t in streams if t.done()]
-                assert time.monotonic() < deadline and not ended, (
-                    f"the streams did not reach the replica: {ended}, "
-                    f"{_counters(drained)}, {_counters(survivor)}"
-                )
-                await asyncio.sleep(0.05)
+            # One stream through the router (its prefix is on the replica: it lands there),
+            # then, once it runs there, one straight to it (sent at once, the router's load
+            # balancing could send the first elsewhere).
+            streams: list[asyncio.Task[RequestRecord]] = []
+            for url, messages in ((router.url, openings[0]), (drained.url, openings[1])):
+                request = _stream_request(messages, LONG)
+                streams.append(asyncio.create_task(_stream(client, url, request, t0)))
+                await _until_running(drained, survivor, streams)
             before = _finished(survivor)
             drained.managed.process.terminate()  # SIGTERM: kvserve drains
             await asyncio.sleep(0.5)
@@ -204,6 +215,12 @@ def test_sigterm_drain_finishes_streams_and_takes_no_new_request(
             assert record.finish_reason == "length" and record.completion_tokens == LONG
 
     with _router([survivor, drained], "kv_aware", tmp_path) as router:
+        # Opened after the router subscribed to the events (as in the kv_aware test): a
+        # router started later never hears of these blocks and may balance the stream away.
+        for messages in openings:  # their blocks live on the replica about to drain
+            messages.append({"role": "assistant", "content": _chat(drained.url, messages)})
+            messages.append({"role": "user", "content": "go on"})
+        time.sleep(1.0)  # the events travel over ZMQ: give the router's index a moment
         asyncio.run(scenario(router))
     assert drained.managed.process.wait(timeout=30) == 0
 
