@@ -7,6 +7,12 @@ server-side preemptions/swaps, plus each server's throughput and TTFT as a ratio
 kvserve at the same concurrency.
 
     python bench/compare_report.py bench/results
+
+Given two result sets (two ``--out`` directories, e.g. the same command before and after
+a change), it compares them instead: per server and concurrency found in both, output
+tokens/s, TTFT p50 and ITL p50 of each, and NEW / OLD for each (printed, nothing written):
+
+    python bench/compare_report.py bench/results/OLD bench/results/NEW
 """
 
 from __future__ import annotations
@@ -116,5 +122,39 @@ def write_summary(out: Path) -> str:
     return text
 
 
+def _quotient(new: float | None, old: float | None) -> str:
+    if new is None or old is None or old == 0:
+        return "-"
+    return f"{new / old:.2f}x"
+
+
+def compare_sets(old_dir: Path, new_dir: Path) -> str:
+    """Two result sets side by side: NEW / OLD per server and concurrency in both."""
+    old, new = load_results(old_dir), load_results(new_dir)
+    header = (
+        f"OLD = {old_dir}, NEW = {new_dir}\n\n"
+        "| server | conv. | out tok/s OLD | NEW | NEW/OLD | TTFT p50 ms OLD | NEW | NEW/OLD "
+        "| ITL p50 ms OLD | NEW | NEW/OLD |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )
+    rows = []
+    for key in sorted(old.keys() & new.keys(), key=lambda k: (k[1], k[0])):
+        cells = [key[0], str(key[1])]
+        a, b = old[key]["summary"], new[key]["summary"]
+        tput_a = a["throughput"]["output_tokens_per_s"]
+        tput_b = b["throughput"]["output_tokens_per_s"]
+        cells += [f"{tput_a:.1f}", f"{tput_b:.1f}", _quotient(tput_b, tput_a)]
+        for metric in ("ttft", "itl"):
+            va, vb = a["latency_s"][metric]["p50"], b["latency_s"][metric]["p50"]
+            cells += [_ms(va), _ms(vb), _quotient(vb, va)]
+        rows.append("| " + " | ".join(cells) + " |")
+    only = sorted(old.keys() ^ new.keys())
+    tail = [f"\nIn one set only: {', '.join(f'{s}-c{c}' for s, c in only)}"] if only else []
+    return "\n".join([header, *rows, *tail])
+
+
 if __name__ == "__main__":
-    print(write_summary(Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results")))
+    if len(sys.argv) == 3:
+        print(compare_sets(Path(sys.argv[1]), Path(sys.argv[2])))
+    else:
+        print(write_summary(Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results")))

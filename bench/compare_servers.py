@@ -223,7 +223,7 @@ def _transformers(args: argparse.Namespace, port: int) -> list[str]:
 def _transformers_cache_flags(args: argparse.Namespace) -> list[str]:
     """Without flags transformers sizes its paged cache from free memory; on CPU its
     attention masks then span that whole cache. ``--transformers-cb-blocks`` sizes it
-    for the workload instead (not used for the figures in docs/BENCHMARKS.md)."""
+    for the workload instead (not used for the figures in docs/BENCHMARKS.md or its archive)."""
     if args.transformers_cb_blocks is None:
         return []
     return [

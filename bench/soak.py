@@ -1,7 +1,7 @@
 """Soak test: concurrent long conversations against a real kvserve on 127.0.0.1.
 
     python -m bench.soak                 # about 60 s (what CI runs, via tests/server/test_soak.py)
-    python -m bench.soak --minutes 10    # the on-demand soak behind docs/RELIABILITY.md
+    python -m bench.soak --minutes 10    # the on-demand soak behind docs/reference/reliability.md
 
 The server runs in a child process (``python -m bench.soak_server``): the real app and
 uvicorn over a tiny random Llama (SmolLM2 vocabulary) in float32, with a KV budget far

@@ -165,7 +165,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax: the first index of its largest value (a NaN counts as largest),
     as ``argmax`` defines it. ``max``'s indices are the same tokens at under half of
     ``argmax``'s cost on the CPU (a 49k vocabulary: 72 -> 27 us a row, 1.13 -> 0.42 ms at
-    32 rows; docs/BENCHMARKS.md)."""
+    32 rows; docs/archive/benchmarks-log.md)."""
     return logits.max(dim=-1).indices
 
 

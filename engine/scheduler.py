@@ -13,7 +13,7 @@ Each ``schedule()`` call fills one step under two budgets, ``max_num_batched_tok
    most ``max_num_bypasses`` times: then it holds the line, and nothing behind it is
    admitted until it fits (running requests finish, so its blocks come free). The head of
    the order is never left waiting while the blocks it needs are free (see
-   docs/RELIABILITY.md, "Fairness"; engine/sched/admission.py).
+   docs/reference/reliability.md, "Fairness"; engine/sched/admission.py).
 
 Prefill tokens (chunks of running prompts, admissions) are bounded by the step's prefill
 budget as well as the token budget: from ``max_step_time_s``, ``max_step_time_ratio`` (a

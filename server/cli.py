@@ -54,9 +54,15 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     model.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2)")
     model.add_argument("--served-model-name", nargs="+", default=None, help="names clients use")
     model.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="compute dtype; auto: bfloat16 on CUDA and on CPUs with native bf16 units, "
+        "else float32",
     )
-    model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    model.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if present"
+    )
     model.add_argument(
         "--quantization",
         default="none",
@@ -75,10 +81,15 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
     )
-    model.add_argument("--max-model-len", type=int, default=None)
-    model.add_argument("--seed", type=int, default=0)
+    model.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + completion, tokens (default: the model's context, at most 8192)",
+    )
+    model.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     cache = p.add_argument_group("KV cache")
-    cache.add_argument("--block-size", type=int, default=16)
+    cache.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     cache.add_argument(
         "--kv-cache-dtype",
         default="auto",
@@ -92,11 +103,19 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "as an all-full cache does; for comparison",
     )
     cache.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV budget, GiB (CPU)")
-    cache.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    cache.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory for weights, activations and KV (CUDA)",
+    )
     cache.add_argument("--num-kv-blocks", type=int, default=None, help="override the block count")
     cache.add_argument("--swap-space", type=float, default=1.0, help="host pool, GiB")
     cache.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of shared prompt prefixes",
     )
     add_tier_flags(cache)
     cache.add_argument(
@@ -108,10 +127,27 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'',
     )
     sched = p.add_argument_group("scheduler")
-    sched.add_argument("--max-num-seqs", type=int, default=64)
-    sched.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    sched.add_argument("--preemption-mode", default="auto", choices=PREEMPTION_MODES)
-    sched.add_argument("--admission-policy", default="optimistic", choices=ADMISSION_POLICIES)
+    sched.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in a step")
+    sched.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="most tokens in a step (longer prompts are prefilled in chunks)",
+    )
+    sched.add_argument(
+        "--preemption-mode",
+        default="auto",
+        choices=PREEMPTION_MODES,
+        help="how a preempted request gives its blocks back; auto: swap long sequences to "
+        "the host pool when it has room, else recompute",
+    )
+    sched.add_argument(
+        "--admission-policy",
+        default="optimistic",
+        choices=ADMISSION_POLICIES,
+        help="optimistic: admit when the prompt fits, preempt later; reserve: admit only "
+        "when prompt + max_tokens fit, never preempt",
+    )
     sched.add_argument("--max-queued-requests", type=int, default=0, help="0 = unbounded")
     sched.add_argument("--max-queued-tokens", type=int, default=0, help="0 = unbounded")
     sched.add_argument(
@@ -146,15 +182,20 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "omitted keys; off when not given)",
     )
     http = p.add_argument_group("HTTP")
-    http.add_argument("--host", default="127.0.0.1")
-    http.add_argument("--port", type=int, default=8000)
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    http.add_argument("--port", type=int, default=8000, help="port to listen on")
     http.add_argument("--api-key", default=None, help=f"Bearer key (or ${API_KEY_ENV})")
     http.add_argument(
         "--protect-open-endpoints",
         action="store_true",
         help="require the API key on /health, /version and /metrics too",
     )
-    http.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
+    http.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="larger bodies get a 413",
+    )
     http.add_argument(
         "--request-header-timeout",
         type=float,
@@ -223,7 +264,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_frontend_arguments(p)
     http.add_argument(
-        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="server log level",
     )
     p.set_defaults(func=run_serve)
 

@@ -7,7 +7,7 @@ kubernetes-sigs/gateway-api-inference-extension) fixes each metric's type and me
 lets names differ when the picker is told them. Since EPP v1.5 that is an ``engineConfigs``
 entry of its ``core-metrics-extractor`` plugin (one key per metric; the per-metric flags of
 earlier releases are deprecated). This table is the one place that says which kvserve
-series answers which protocol metric; the EPP config in deploy/gateway/, docs/METRICS.md
+series answers which protocol metric; the EPP config in deploy/gateway/, docs/reference/metrics.md
 and the conformance test all read it.
 """
 

@@ -13,7 +13,7 @@ Two sources feed one registry per server instance (no module-level globals):
   from the runner at scrape time, beside the computed ``kvserve_device_memory_bytes``.
 
 Names follow Prometheus conventions: prefix ``kvserve_``, units in the name, counters
-ending in ``_total`` and a ``model_name`` label on every series. docs/METRICS.md lists
+ending in ``_total`` and a ``model_name`` label on every series. docs/reference/metrics.md lists
 every name; dashboards and alert rules in deploy/ depend on them, so keep them stable.
 """
 
@@ -114,7 +114,7 @@ class EngineStatsCollector(Collector):
         self._memory_fn = memory_fn
 
     def describe(self) -> Iterable[Metric]:
-        # Registering must not call into the engine; names are documented in METRICS.md.
+        # Registering must not call into the engine; names: docs/reference/metrics.md.
         return []
 
     def collect(self) -> Iterable[Metric]:

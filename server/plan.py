@@ -148,10 +148,14 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", default=None, help="HF dir or .gguf (default: SmolLM2)")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--concurrency", "-c", type=int, default=1)
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="as serve (default: the model's, <= 8192)"
+    )
+    parser.add_argument(
+        "--concurrency", "-c", type=int, default=1, help="conversations that must fit at once"
+    )
     parser.add_argument("--avg-len", type=int, default=None, help="default: --max-model-len")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument(
         "--disable-hybrid-kv-cache-manager",
         action="store_true",
@@ -162,8 +166,10 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         default="auto",
         help="auto = the serving dtype (bfloat16 where --dtype auto picks float32)",
     )
-    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_BYTES])
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_BYTES], help="as serve")
+    parser.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="as serve"
+    )
     parser.add_argument(
         "--quantization",
         default="none",
@@ -183,9 +189,16 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     budget.add_argument(
         "--kv-cache-memory", type=float, default=2.0, help="KV budget, GiB (as serve on CPU)"
     )
-    budget.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    budget.add_argument("--num-kv-blocks", type=int, default=None, help="a fixed block count")
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="as serve (with --memory)"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="as serve (sizes the activation reserve)",
+    )
     parser.add_argument(
         "--activation-reserve", type=float, default=None, help="GiB (default: an estimate)"
     )

@@ -9,8 +9,8 @@ Structured outputs (``response_format``, vLLM's ``structured_outputs`` and ``gui
 are mapped in server/structured.py; tools in server/tools/.
 
 Also accepted without effect: ``metadata``, ``store``, ``service_tier``,
-``prompt_cache_key`` and ``safety_identifier`` (labels for OpenAI's platform). The README's
-API notes classify every OpenAI and vLLM field.
+``prompt_cache_key`` and ``safety_identifier`` (labels for OpenAI's platform).
+docs/reference/api.md classifies every OpenAI and vLLM field.
 
 Beyond OpenAI, the vLLM sampling extensions are honoured: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``priority``
@@ -141,7 +141,7 @@ class SamplingFields(StrictModel):
     guided_grammar: str | None = None
     # vLLM's per-request prefix-cache salt: only requests with the same salt share blocks.
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
-    # Accepted without effect (README, API notes): labels and routing hints for OpenAI's
+    # Accepted without effect (docs/reference/api.md): labels and routing hints for OpenAI's
     # platform that change nothing in the output.
     metadata: dict[str, str] | None = None
     store: bool | None = None

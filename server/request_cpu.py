@@ -6,7 +6,7 @@ ids and writing /tokenize's answer all grow with the request. On the event loop 
 body froze ``/health`` and every running stream for seconds, so all of it runs in worker
 threads. Threads still share the GIL and the cores: four 4 MB bodies tokenizing at once
 on a 2-core machine kept the loop waiting for a core, or for a GIL some busy thread was
-slow to hand over, for up to ~300 ms at a time (probe latencies, docs/RELIABILITY.md).
+slow to hand over, for up to ~300 ms at a time (probe latencies, docs/reference/reliability.md).
 So requests with bodies over ``LARGE_BODY_BYTES`` share one dedicated thread and run one
 after another, while ordinary requests use the loop's default pool and never queue
 behind them. Large bodies pay with throughput; the loop, the engine and small requests
@@ -19,7 +19,7 @@ check) those waits added up to most of a ``/health`` answer. The engine thread p
 same toll more often: each torch op of a step lets go of the GIL and waits a whole
 interval to get it back from a busy request thread, so a ~60-op step of the torch
 kernels stretched from ~1 ms to 60-150 ms under four 4 MB bodies at 1 ms (stream gaps,
-docs/RELIABILITY.md). ``kvserve serve`` sets the interval to ``GIL_SWITCH_INTERVAL_S``
+docs/reference/reliability.md). ``kvserve serve`` sets the interval to ``GIL_SWITCH_INTERVAL_S``
 (``favour_the_event_loop``): 0.2 ms keeps such a step within ~30 ms for the price of a
 few thousand more thread switches a second while threads contend.
 """

@@ -5,7 +5,7 @@ are read merged (``RequestQueues.merged``) up to the free sequence slots plus
 ``ADMISSION_LOOKAHEAD``. Each request is swapped in or admitted when it fits; one that
 does not fit is passed over by smaller ones behind it, but at most ``max_num_bypasses``
 times: then it holds the line, and nothing behind it is admitted until it fits (running
-requests finish, so its blocks come free). See docs/RELIABILITY.md, "Fairness".
+requests finish, so its blocks come free). See docs/reference/reliability.md, "Fairness".
 
 A waiting request whose prefix a lower tier holds past its device hit is admitted into
 LOADING instead (``start_tier_load``): its blocks are loaded back this step and

@@ -6,7 +6,7 @@ tools go to ``apply_chat_template(tools=...)`` and the history keeps OpenAI's sh
 which is what tool-aware templates (Qwen, Hermes, Llama 3.1, SmolLM3) expect.
 
 Otherwise (the embedded SmolLM2, for one) kvserve uses a generic format, documented in
-the README:
+docs/reference/tools.md:
 - the tools are described in the system message: their OpenAI JSON between ``<tools>``
   tags, with the instruction to call one as ``<tool_call>{"name": ..., "arguments":
   {...}}</tool_call>`` (the hermes convention, which ``--tool-call-parser hermes`` reads);

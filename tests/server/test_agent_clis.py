@@ -6,7 +6,7 @@ They serve the scripted model (tests/server/agents.py): its context fits their p
 (Claude Code's system prompt and tools are ~12k tokens, Codex's ~9k) and it answers
 "Hello". Each CLI must complete a turn, print the answer, and leave no request refused.
 Codex's hosted web search (which no local server runs) is turned off in its config,
-as the README says.
+as docs/reference/api.md says.
 """
 
 from __future__ import annotations

@@ -311,7 +311,7 @@ def test_a_conversation_past_max_messages_is_refused_before_validation(
     server: LiveServer, path: str, field: str
 ):
     """Each turn counts against --max-messages (512 here), checked on the parsed JSON:
-    100,000 turns never become objects to validate (docs/RELIABILITY.md, "Event loop")."""
+    100,000 turns never become objects to validate (docs/reference/reliability.md, "Event loop")."""
     turns = [{"role": "user", "content": "hi"}] * 513
     body = {"model": TINY_MODEL_NAME, field: turns, "max_tokens": 1}
     resp = post_raw(server, path, json.dumps(body))

@@ -18,7 +18,7 @@ What is measured is the server, not this machine's other tenants or this process
   and the test is skipped, saying so, when the machine's 1-minute load average is above
   ``MAX_LOAD_PER_CORE`` per core: with other tenants keeping 9-10 threads runnable on 2
   cores the server's process waited for a core ~300 ms at a time, before any of its own
-  work (docs/RELIABILITY.md, "Event loop").
+  work (docs/reference/reliability.md, "Event loop").
 """
 
 from __future__ import annotations

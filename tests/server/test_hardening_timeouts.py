@@ -127,6 +127,6 @@ def test_the_documented_defaults_are_the_cli_defaults():
     settings = settings_from(build_parser().parse_args(["serve"]))
     assert settings.request_header_timeout_s == DEFAULT_REQUEST_HEADER_TIMEOUT_S == 10.0
     assert settings.request_body_timeout_s == DEFAULT_REQUEST_BODY_TIMEOUT_S == 60.0
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert "| `--request-header-timeout` | 10 |" in readme
-    assert "| `--request-body-timeout` | 60 |" in readme
+    page = Path(__file__).resolve().parents[2] / "docs" / "reference" / "configuration.md"
+    assert "| `--request-header-timeout` | 10 |" in page.read_text()
+    assert "| `--request-body-timeout` | 60 |" in page.read_text()

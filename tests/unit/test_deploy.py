@@ -237,7 +237,7 @@ def test_every_metric_name_in_rules_and_dashboard_is_exported() -> None:
 
 
 def test_metrics_doc_lists_every_exported_name() -> None:
-    documented = set(METRIC_NAME.findall((ROOT / "docs" / "METRICS.md").read_text()))
+    documented = set(METRIC_NAME.findall((ROOT / "docs" / "reference" / "metrics.md").read_text()))
     families = set()
     for name in exported_names():
         if name.endswith("_created") or name.startswith("process_"):
@@ -249,7 +249,7 @@ def test_metrics_doc_lists_every_exported_name() -> None:
     assert families <= documented, families - documented
     recorded = {name for name, _ in rule_expressions() if ":" in name}
     assert recorded <= set(
-        re.findall(r"`([a-z_]+:[a-z0-9_:]+)`", (ROOT / "docs/METRICS.md").read_text())
+        re.findall(r"`([a-z_]+:[a-z0-9_:]+)`", (ROOT / "docs/reference/metrics.md").read_text())
     )
 
 

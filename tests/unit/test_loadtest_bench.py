@@ -13,7 +13,7 @@ from loadtest.runner import RunResult
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from compare_report import write_summary  # bench/ is not a package: imported by path
+from compare_report import compare_sets, write_summary  # bench/ is not a package: imported by path
 
 
 def _result(ttft: float, tokens: int, duration_s: float) -> dict[str, object]:
@@ -59,3 +59,17 @@ def test_summary_has_ratios_to_kvserve(tmp_path: Path) -> None:
     assert kvserve[7] == "500" and llamacpp[7] == "2000"  # TTFT p50, ms
     assert llamacpp[13:] == ["4.00x", "4.00x", "1.5/2.0"]  # kvserve is 4x better on both
     assert kvserve[13:] == ["1.00x", "1.00x", "-"]
+
+
+def test_two_result_sets_compared(tmp_path: Path) -> None:
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    write_json(_result(ttft=0.5, tokens=100, duration_s=2.0), old / "kvserve-c8.json")
+    write_json(_result(ttft=0.25, tokens=100, duration_s=1.0), new / "kvserve-c8.json")
+    write_json(_result(ttft=2.0, tokens=100, duration_s=8.0), new / "llamacpp-c8.json")
+    text = compare_sets(old, new)
+    row = next(line for line in text.splitlines() if line.startswith("| kvserve |"))
+    cells = [cell.strip() for cell in row.split("|")[1:-1]]
+    assert cells == ["kvserve", "8", "50.0", "100.0", "2.00x", "500", "250", "0.50x", *cells[8:]]
+    assert "In one set only: llamacpp-c8" in text

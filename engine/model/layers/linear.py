@@ -83,7 +83,7 @@ class DenseLinear:
     With ``rowwise`` (bf16 weights, the native kernels loaded, a CPU with AVX512_BF16)
     calls of at most ``BF16_ROWWISE_MAX_ROWS`` rows go through ``torch.ops.kvserve.bf16_linear``
     instead: the CPU's bf16 dot-product instruction over the weights as stored, each
-    weight row read once for every activation row (docs/BENCHMARKS.md, "bf16 decode").
+    weight row read once for every activation row (docs/archive/benchmarks-log.md, "bf16 decode").
     """
 
     __slots__ = ("bias", "rowwise", "weight")
@@ -218,7 +218,7 @@ class Int4Linear:
     (max|x| / 127), the group sums stay exact; more rows (prefill, large batches)
     dequantize blocks of weight rows and keep float32 activations. At batch 1 this streams
     0.6x int8's bytes and is faster; from a few rows on fbgemm's int8 GEMM is faster
-    (docs/BENCHMARKS.md).
+    (docs/archive/benchmarks-log.md).
 
     A weight already on a Q4_1 grid (the embedded GGUF's projections) round-trips exactly:
     its group minimum and maximum are codes 0 and 15.

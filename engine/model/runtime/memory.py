@@ -16,7 +16,7 @@ first parallel torch op on a thread gives that thread an OpenMP team of its own.
 OpenMP workers than CPUs, libgomp stops spin-waiting in every team, so each of the
 engine's ~300 parallel regions per step then waits for a sleeping worker: one scrape left
 a single-stream server ~40% slower for the rest of its life (bench/bench_speculative.py
-figures, docs/BENCHMARKS.md). The page count is numpy's.
+figures, docs/archive/benchmarks-log.md). The page count is numpy's.
 """
 
 from __future__ import annotations
