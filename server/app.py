@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.async_engine import AsyncEngine
 from engine.compute_thread import ComputeThread
+from engine.pooling_config import ModelPooling
 from server.body_reader import BodyReadMiddleware, send_error
 from server.chat_template import ChatTemplate
 from server.cors import add_cors
@@ -29,6 +30,7 @@ from server.responses.store import ResponseStore
 from server.routes import (
     chat,
     completions,
+    embeddings,
     health,
     messages,
     models,
@@ -68,7 +70,8 @@ def build_app(ctx: ServingContext) -> FastAPI:
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app, ctx.count_rejected)
-    for module in (chat, completions, render, responses, messages, models, tokenize, health):
+    routers = (chat, completions, embeddings, render, responses, messages, models, tokenize)
+    for module in (*routers, health):
         app.include_router(module.router)
     settings = ctx.settings
     if settings.enable_ui:
@@ -135,6 +138,8 @@ def serving_context(
         ),
         responses=responses,
         ignored_fields=IgnoredFields(metrics.count_ignored_field if metrics else None),
+        model_pooling=getattr(built, "pooling", None) or ModelPooling(),
+        hidden_size=getattr(built, "hidden_size", 0),
     )
 
 
