@@ -36,6 +36,7 @@ from server.routes import (
     models,
     render,
     responses,
+    scoring,
     tokenize,
 )
 from server.routes.context import ServingContext
@@ -70,8 +71,8 @@ def build_app(ctx: ServingContext) -> FastAPI:
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app, ctx.count_rejected)
-    routers = (chat, completions, embeddings, render, responses, messages, models, tokenize)
-    for module in (*routers, health):
+    routes = (chat, completions, embeddings, scoring, render, responses, messages, models)
+    for module in (*routes, tokenize, health):
         app.include_router(module.router)
     settings = ctx.settings
     if settings.enable_ui:

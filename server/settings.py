@@ -9,7 +9,8 @@ from server.reasoning import REASONING_PARSERS, ReasoningFormat
 from server.tools.parsers import TOOL_CALL_PARSERS
 from server.unknown_fields import UNKNOWN_FIELD_POLICIES
 
-# Causal rerankers /v1/score and /v1/rerank know the prompt format of (server/scoring.py).
+# Causal rerankers whose prompt format /v1/score and /v1/rerank know (server/scoring.py,
+# RERANKER_FORMATS; kept here so the settings need not import the scoring module).
 RERANKERS: tuple[str, ...] = ("qwen3",)
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 # A request's headers must be complete this many seconds after its first byte (on a new
