@@ -236,3 +236,23 @@ def test_pooling_flag_overrides(tiny_built, reference, kind):
         for text, item in zip(TEXTS, body["data"], strict=True):
             assert_close(item["embedding"], pooled(reference, ids_of(tokenizer, text), kind))
         assert live.wait_idle().device_blocks.used == 0
+
+
+def test_langchain_openai_embeddings(server, reference):
+    """LangChain's OpenAIEmbeddings. Its default ``check_embedding_ctx_length`` tokenizes
+    with tiktoken (OpenAI's vocabulary, and a download) and sends those ids; against any
+    other model the texts must go as text."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    embedder = langchain_openai.OpenAIEmbeddings(
+        base_url=server.v1,
+        api_key="x",
+        model=TINY_MODEL_NAME,
+        check_embedding_ctx_length=False,
+        max_retries=0,
+    )
+    tokenizer = server.ctx.tokenizer
+    documents = embedder.embed_documents(TEXTS)
+    for text, vector in zip(TEXTS, documents, strict=True):
+        assert_close(vector, pooled(reference, ids_of(tokenizer, text), "last"))
+    query = embedder.embed_query(TEXTS[0])
+    assert_close(query, pooled(reference, ids_of(tokenizer, TEXTS[0]), "last"))
