@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from engine.model.loader import ModelSource, load_model, load_tokenizer
 from engine.model.runtime.kv_cache import KVPool, KVPoolLayout
 from engine.model.runtime.profile import measure_activation_peak
 from engine.model.runtime.tier_io import TierIO
+from engine.pooling_config import ModelPooling, read_model_pooling
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.structured import GrammarCompiler
@@ -71,6 +72,9 @@ class BuiltEngine:
     # Compiles structured-output specs (shared with the runner, which reads its cache).
     grammar_compiler: GrammarCompiler | None = None
     tiers: tuple[TierCapacity, ...] = ()
+    # What the model directory says about pooling (embeddings; engine/pooling_config.py).
+    pooling: ModelPooling = field(default_factory=ModelPooling)
+    hidden_size: int = 0
 
 
 def find_embedded_model() -> Path:
@@ -175,6 +179,8 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         eos_token_ids=eos_ids,
         grammar_compiler=grammars,
         tiers=tiers,
+        pooling=read_model_pooling(source.directory if source.gguf_file is None else None),
+        hidden_size=model.spec.hidden_size,
     )
 
 

@@ -117,6 +117,19 @@ class SchedulerOutput:
         return not (self.scheduled or self.swap_out or self.swap_in or self.copies or self.tier_ops)
 
 
+@dataclass(frozen=True)
+class PooledChunk:
+    """A pooling request's share of one step (engine/pooling.py): prompt positions
+    ``[start, end)`` were computed and ``values`` is what they add to its vector -- the
+    sum of their final hidden rows ("mean"), the row of position 0 ("cls"), the last
+    prompt position's row ("last"; only from the step that reaches it), or the logits
+    of the requested tokens there."""
+
+    start: int
+    end: int
+    values: list[float]
+
+
 @dataclass
 class RunnerOutput:
     """Sampled tokens for the scheduled requests whose ``sample`` flag was set.
@@ -137,6 +150,8 @@ class RunnerOutput:
     # Requests whose sampling_params.prompt_logprobs is set and whose scheduled tokens
     # covered prompt positions: the scored pieces (several when a step was split).
     prompt_logprobs: dict[str, list[PromptLogprobChunk]] = field(default_factory=dict)
+    # Requests whose sampling_params.pooling is set: what this step's rows pooled.
+    pooled: dict[str, PooledChunk] = field(default_factory=dict)
 
 
 @dataclass
@@ -167,6 +182,9 @@ class RequestDelta:
     # the sequence (the server leaves it out of the text unless include_stop_str_in_output).
     # False when a completed grammar ended it on an ordinary token.
     ended_on_stop_token: bool = False
+    # On the finishing delta of a pooling request: its vector (the mean already taken),
+    # unnormalised.
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -112,6 +112,33 @@ class StructuredOutputs:
         return cls("choice", json.dumps(list(options)))
 
 
+PoolingKind = Literal["last", "mean", "cls"]
+POOLING_KINDS: tuple[str, ...] = ("last", "mean", "cls")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """Pool the prompt's final hidden states (after the final norm) into one vector
+    instead of sampling (engine/pooling.py). ``kind``: the last token's row, the mean of
+    every row, or the first (CLS) row. ``token_ids``: instead of the hidden row, return
+    the LM head's logits of these tokens at the last position (a causal reranker's
+    yes/no score); only with ``last``. The vector is raw: normalising is the caller's."""
+
+    kind: PoolingKind = "last"
+    token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in POOLING_KINDS:
+            raise ValueError(f"pooling kind must be one of {POOLING_KINDS}")
+        if self.token_ids and self.kind != "last":
+            raise ValueError("token logits are read at the last position only")
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Whether every prompt position must be computed (no prefix-cache hit)."""
+        return self.kind != "last"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding controls. Validation of user input happens in the server;
@@ -140,6 +167,9 @@ class SamplingParams:
     # The same for every prompt token after the first, scored from the prefill's logits
     # (engine/prompt_logprobs.py); such a request skips the prefix cache.
     prompt_logprobs: int | None = None
+    # Pool the prompt's hidden states instead of sampling (embeddings, scores); needs
+    # max_tokens 0. The finishing delta carries the vector (RequestDelta.pooled).
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -150,6 +180,8 @@ class SamplingParams:
             raise ValueError("n must be >= 1")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
+        if self.pooling is not None and self.max_tokens != 0:
+            raise ValueError("pooling is prefill only: it needs max_tokens 0")
 
     @property
     def greedy(self) -> bool:
@@ -200,6 +232,10 @@ class Request:
     num_bypasses: int = 0
     # Logprobs of prompt tokens 1.. scored so far (when sampling_params.prompt_logprobs).
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Pooling (sampling_params.pooling): the running vector (a sum for "mean") and the
+    # prompt position its rows reach; engine/sched/results.py add_pooled.
+    pooled: list[float] | None = None
+    pooled_until: int = 0
 
     def __post_init__(self) -> None:
         if not self.group_id:

@@ -19,6 +19,7 @@ from engine.model.layers.decoder import DecoderModel
 from engine.model.runtime.kv_cache import CopyStaging, KVPool, PagedKVCache, copy_blocks
 from engine.model.runtime.memory import measured_memory
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.pooling import pool_rows
 from engine.prompt_logprobs import score_prompts
 from engine.sampler import Sampler, SamplingRow
 from engine.speculative.verify import Verified, verify
@@ -77,6 +78,8 @@ class ModelRunner:
             _add_verified(result, verify(self.sampler, logits[len(plain) :], verifying))
         if any(r.sampling_params.prompt_logprobs is not None for r in batch):
             result.prompt_logprobs = score_prompts(batch, hidden, self.model.logits)
+        if any(r.sampling_params.pooling is not None for r in batch):
+            result.pooled = pool_rows(batch, hidden, self.model.final_hidden, self.model.logits)
         return result
 
     def _move_blocks(self, out: SchedulerOutput) -> None:

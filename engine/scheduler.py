@@ -240,6 +240,9 @@ class Scheduler(SchedulerState):
             chunks = result.prompt_logprobs.get(request.request_id)
             if chunks:
                 results.add_prompt_logprobs(request, chunks)
+            pooled = result.pooled.get(request.request_id)
+            if pooled is not None:
+                results.add_pooled(request, pooled)
             if not scheduled.sample:
                 if prefill_done(request):
                     delta = results.prefill_only_delta(request)

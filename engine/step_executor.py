@@ -249,6 +249,7 @@ def _merge(into: StepResult, part: StepResult) -> None:
     into.output.grammar_completed.update(part.output.grammar_completed)
     for request_id, chunks in part.output.prompt_logprobs.items():
         into.output.prompt_logprobs.setdefault(request_id, []).extend(chunks)
+    into.output.pooled.update(part.output.pooled)
     into.failed.update(part.failed)
     into.unexecuted.update(part.unexecuted)
 

@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.async_engine import AsyncEngine
 from engine.compute_thread import ComputeThread
+from engine.pooling_config import ModelPooling
 from server.body_reader import BodyReadMiddleware, send_error
 from server.chat_template import ChatTemplate
 from server.cors import add_cors
@@ -29,11 +30,13 @@ from server.responses.store import ResponseStore
 from server.routes import (
     chat,
     completions,
+    embeddings,
     health,
     messages,
     models,
     render,
     responses,
+    scoring,
     tokenize,
 )
 from server.routes.context import ServingContext
@@ -68,7 +71,8 @@ def build_app(ctx: ServingContext) -> FastAPI:
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app, ctx.count_rejected)
-    for module in (chat, completions, render, responses, messages, models, tokenize, health):
+    routes = (chat, completions, embeddings, scoring, render, responses, messages, models)
+    for module in (*routes, tokenize, health):
         app.include_router(module.router)
     settings = ctx.settings
     if settings.enable_ui:
@@ -135,6 +139,8 @@ def serving_context(
         ),
         responses=responses,
         ignored_fields=IgnoredFields(metrics.count_ignored_field if metrics else None),
+        model_pooling=getattr(built, "pooling", None) or ModelPooling(),
+        hidden_size=getattr(built, "hidden_size", 0),
     )
 
 

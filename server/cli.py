@@ -26,6 +26,7 @@ from engine.config import (
     KVEventsConfig,
     SpeculativeConfig,
 )
+from engine.request import POOLING_KINDS
 from server.cli_flags import add_tier_flags
 from server.cli_frontend import add_frontend_arguments, frontend_settings
 from server.reasoning import REASONING_PARSERS
@@ -33,6 +34,7 @@ from server.settings import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_REQUEST_BODY_TIMEOUT_S,
     DEFAULT_REQUEST_HEADER_TIMEOUT_S,
+    RERANKERS,
     ServerSettings,
 )
 from server.tools.parsers import TOOL_CALL_PARSERS
@@ -259,6 +261,21 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=sorted(REASONING_PARSERS),
         help="split the reasoning a thinking model writes in <think> from its answer",
     )
+    pooling = p.add_argument_group("embeddings and scoring")
+    pooling.add_argument(
+        "--pooling",
+        default=None,
+        choices=POOLING_KINDS,
+        help="how /v1/embeddings pools a prompt's final hidden states (default: the model's "
+        "sentence-transformers pooling, else the last token)",
+    )
+    pooling.add_argument(
+        "--reranker",
+        default=None,
+        choices=RERANKERS,
+        help="serve /v1/score and /v1/rerank with this causal reranker's prompt format and "
+        "yes/no logits (qwen3: Qwen3-Reranker)",
+    )
     http.add_argument(
         "--disable-ui", action="store_true", help="do not serve the live KV block map at /ui"
     )
@@ -342,6 +359,8 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        pooling=args.pooling,
+        reranker=args.reranker,
         responses_store_size=args.responses_store_size,
         responses_store_bytes=int(args.responses_store_memory * 1024 * 1024),
         **frontend_settings(args),

@@ -49,6 +49,7 @@ FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
 # Reasons known up front are exported as zero so rate() queries have a series to work on.
 REJECT_REASONS: tuple[str, ...] = ("too_long", "no_capacity", "queue_full", "invalid")
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap")
+POOLING_ENDPOINTS: tuple[str, ...] = ("embeddings", "score", "rerank")
 
 # Latency buckets resolve both a GPU (milliseconds) and a loaded CPU (tens of seconds:
 # a 32-conversation CPU run saw a TTFT p99 of 37.7 s) with steps of at most 1.5x from
@@ -478,6 +479,26 @@ class ServerMetrics:
         self._kv_blocks = self._histogram(
             "request_kv_blocks", "Device KV blocks a request held at finish.", BLOCK_BUCKETS
         )
+        # Pooling requests (embeddings, score, rerank; server/embeddings.py), by endpoint.
+        self._pooling_requests = self._labelled_counter(
+            "pooling_requests", "Pooling requests answered, by endpoint.", "endpoint"
+        )
+        self._pooling_inputs = self._labelled_counter(
+            "pooling_inputs", "Prompts pooled (one engine request each), by endpoint.", "endpoint"
+        )
+        self._pooling_tokens = self._labelled_counter(
+            "pooling_prompt_tokens", "Prompt tokens of pooling requests, by endpoint.", "endpoint"
+        )
+        self._pooling_seconds = Histogram(
+            PREFIX + "pooling_request_latency_seconds",
+            "Pooling request: first submission to the last vector, by endpoint.",
+            ["model_name", "endpoint"],
+            buckets=E2E_BUCKETS_S,
+            registry=self.registry,
+        )
+        for endpoint in POOLING_ENDPOINTS:
+            for counter in (self._pooling_requests, self._pooling_inputs, self._pooling_tokens):
+                counter.labels(model_name, endpoint)
 
     def _labelled_counter(self, name: str, doc: str, label: str) -> Counter:
         return Counter(PREFIX + name, doc, ["model_name", label], registry=self.registry)
@@ -501,6 +522,15 @@ class ServerMetrics:
         self._prompt_len.observe(record.prompt_tokens)
         self._generation_len.observe(record.generation_tokens)
         self._kv_blocks.observe(record.kv_blocks)
+
+    def observe_pooling(
+        self, endpoint: str, num_inputs: int, prompt_tokens: int, seconds: float
+    ) -> None:
+        """Record one answered pooling request (``endpoint``: one of POOLING_ENDPOINTS)."""
+        self._pooling_requests.labels(self._model, endpoint).inc()
+        self._pooling_inputs.labels(self._model, endpoint).inc(num_inputs)
+        self._pooling_tokens.labels(self._model, endpoint).inc(prompt_tokens)
+        self._pooling_seconds.labels(self._model, endpoint).observe(seconds)
 
     def watch_response_store(self, store: Any) -> None:
         """Export the Responses API store's occupancy (``ResponseStoreCollector``)."""

@@ -93,7 +93,7 @@ def validated_body(
     if bad is not None:
         raise invalid(bad.message(), bad.path or None)
     if max_turns is not None:
-        check_turn_count(data, max_turns)
+        check_turn_count(data, max_turns, getattr(model, "TURN_LIST_FIELDS", TURN_LIST_FIELDS))
     ignored: tuple[str, ...] = ()
     if ignorable is not None:
         data, ignored = split_unknown(data, ignorable)
@@ -104,13 +104,14 @@ def validated_body(
         raise RequestValidationError(errors) from None
 
 
-def check_turn_count(data: Any, limit: int) -> None:
+def check_turn_count(data: Any, limit: int, fields: tuple[str, ...] = TURN_LIST_FIELDS) -> None:
     """Refuse a conversation longer than --max-messages before it is validated: 100,000
     short turns made ~500,000 objects, and the garbage collections they set off held the
-    GIL (and so the event loop) ~150 ms at a time."""
+    GIL (and so the event loop) ~150 ms at a time. A body model whose lists are not
+    turns names its own (``TURN_LIST_FIELDS``: empty for embeddings' ``input``)."""
     if not isinstance(data, dict):
         return
-    for field in TURN_LIST_FIELDS:
+    for field in fields:
         turns = data.get(field)
         if isinstance(turns, list) and len(turns) > limit:
             raise invalid(

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.request import POOLING_KINDS
 from server.reasoning import REASONING_PARSERS, ReasoningFormat
 from server.tools.parsers import TOOL_CALL_PARSERS
 from server.unknown_fields import UNKNOWN_FIELD_POLICIES
 
+# Causal rerankers whose prompt format /v1/score and /v1/rerank know (server/scoring.py,
+# RERANKER_FORMATS; kept here so the settings need not import the scoring module).
+RERANKERS: tuple[str, ...] = ("qwen3",)
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 # A request's headers must be complete this many seconds after its first byte (on a new
 # connection: after the connection opened), its body this many seconds after the headers.
@@ -63,6 +67,10 @@ class ServerSettings:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    # Embeddings (server/embeddings.py): --pooling overrides the model's own pooling;
+    # --reranker names a causal reranker's prompt format for /v1/score and /v1/rerank.
+    pooling: str | None = None
+    reranker: str | None = None
 
     @property
     def reasoning(self) -> ReasoningFormat | None:
@@ -96,5 +104,9 @@ class ServerSettings:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
         if self.unknown_fields not in UNKNOWN_FIELD_POLICIES:
             raise ValueError(f"unknown_fields must be one of {', '.join(UNKNOWN_FIELD_POLICIES)}")
+        if self.pooling is not None and self.pooling not in POOLING_KINDS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_KINDS)}")
+        if self.reranker is not None and self.reranker not in RERANKERS:
+            raise ValueError(f"reranker must be one of {', '.join(RERANKERS)}")
         if self.chat_template_content_format not in ("auto", "string", "openai"):
             raise ValueError("chat_template_content_format must be auto, string or openai")

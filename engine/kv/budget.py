@@ -87,11 +87,13 @@ def check_can_ever_run(
     num_prompt = parent.num_prompt_tokens
     if num_prompt == 0:
         raise RequestRejected("empty_prompt", "the prompt has no tokens")
-    if num_prompt >= max_len:
+    # A prefill-only request (scoring, pooling) needs no room for a token after it.
+    longest = max_len if parent.sampling_params.prefill_only else max_len - 1
+    if num_prompt > longest:
         raise RequestRejected(
             "too_long",
             f"the prompt has {num_prompt} tokens but max_model_len is {max_len}: "
-            f"shorten the prompt to at most {max_len - 1} tokens",
+            f"shorten the prompt to at most {longest} tokens",
         )
     chunk = min(num_prompt, scheduler_config.max_num_batched_tokens)
     if scheduler_config.admission_policy == "reserve":

@@ -89,8 +89,11 @@ def try_admit(state: SchedulerState, step: Step, request: Request) -> bool | Non
     group_size = 1 + state.groups.num_unforked(request.group_id)
     if state.running and len(state.running) + group_size > state.config.max_num_seqs:
         return None
-    # A request scoring its prompt must compute every position it scores.
-    if request.sampling_params.prompt_logprobs is not None:
+    # A request scoring its prompt (or pooling more than its last row) must compute
+    # every position it reads.
+    params = request.sampling_params
+    pooling = params.pooling
+    if params.prompt_logprobs is not None or (pooling is not None and pooling.needs_every_position):
         hit = PrefixHit.none(kv.num_groups)
     else:
         hit = kv.find_cached_prefix(request)

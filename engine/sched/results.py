@@ -9,7 +9,13 @@ A speculative decode emits the drafts the model accepted and one token after the
 from __future__ import annotations
 
 from engine.kv.stats import StatsCounters
-from engine.outputs import PromptLogprobChunk, RequestDelta, RunnerOutput, ScheduledRequest
+from engine.outputs import (
+    PooledChunk,
+    PromptLogprobChunk,
+    RequestDelta,
+    RunnerOutput,
+    ScheduledRequest,
+)
 from engine.request import Request, RequestStatus
 from engine.sched.stop import is_stop_token, stop_status
 
@@ -32,6 +38,31 @@ def add_prompt_logprobs(request: Request, chunks: list[PromptLogprobChunk]) -> N
         skip = known - chunk.start
         if 0 <= skip < len(chunk.entries):
             request.prompt_logprobs.extend(chunk.entries[skip:])
+
+
+def add_pooled(request: Request, chunk: PooledChunk) -> None:
+    """Fold one step's pooled rows into the request's vector. A chunk from position 0
+    starts it afresh (a recompute after preemption computes the prompt again: pooling
+    skips the prefix cache where it reads more than the last row); otherwise it must
+    continue where the last one ended, and a "mean" adds its row sum."""
+    if chunk.start == 0 or request.pooled is None:
+        request.pooled = list(chunk.values)
+    elif chunk.start == request.pooled_until:
+        request.pooled = [a + b for a, b in zip(request.pooled, chunk.values, strict=True)]
+    else:
+        return  # positions already pooled (cannot happen without a recompute from 0)
+    request.pooled_until = chunk.end
+
+
+def pooled_vector(request: Request) -> list[float] | None:
+    """The request's final vector: the mean divides the row sum by the prompt length."""
+    pooling = request.sampling_params.pooling
+    if pooling is None or request.pooled is None:
+        return None
+    if pooling.kind == "mean":
+        count = max(1, request.pooled_until)
+        return [value / count for value in request.pooled]
+    return request.pooled
 
 
 def append_sample(
@@ -92,7 +123,7 @@ def count_verification(counters: StatsCounters, num_drafts: int, num_emitted: in
 
 def prefill_only_delta(request: Request) -> RequestDelta:
     """A max_tokens 0 request ends once its prompt is computed (and scored): one
-    finishing delta with the prompt logprobs and no token."""
+    finishing delta with the prompt logprobs (or its pooled vector) and no token."""
     return RequestDelta(
         request_id=request.request_id,
         group_id=request.group_id,
@@ -101,6 +132,7 @@ def prefill_only_delta(request: Request) -> RequestDelta:
         prompt_logprobs=list(request.prompt_logprobs),
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=request.num_cached_tokens,
+        pooled=pooled_vector(request),
     )
 
 

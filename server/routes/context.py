@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from fastapi import Depends, Request
 
 from engine.async_engine import AsyncEngine
+from engine.pooling_config import ModelPooling
 from server.chat_template import ChatTemplate
 from server.errors import APIError
 from server.request_cpu import RequestCpu
@@ -44,6 +45,9 @@ class ServingContext:
     responses: ResponsesState = field(default_factory=ResponsesState)
     # The unknown fields requests carried and the server ignored (server/unknown_fields.py).
     ignored_fields: IgnoredFields = field(default_factory=IgnoredFields)
+    # What the model directory says about pooling, and its hidden size (embeddings).
+    model_pooling: ModelPooling = field(default_factory=ModelPooling)
+    hidden_size: int = 0
 
     def template(self) -> ChatTemplate:
         """The chat template the routes render with (--chat-template or the model's)."""

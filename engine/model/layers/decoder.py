@@ -202,10 +202,15 @@ class DecoderModel:
         return out
 
     @torch.inference_mode()
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``forward``'s rows after the final norm: what the LM head reads (and what
+        embeddings pool, engine/pooling.py)."""
+        return self.kernels.rms_norm(hidden, self.weights.final_norm, self.spec.rms_norm_eps)
+
+    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given final hidden rows."""
-        normed = self.kernels.rms_norm(hidden, self.weights.final_norm, self.spec.rms_norm_eps)
-        logits = self.weights.lm_head(normed)
+        logits = self.weights.lm_head(self.final_hidden(hidden))
         options = self.options
         if options.logits_divisor is not None:
             logits = logits / options.logits_divisor
