@@ -219,3 +219,43 @@ def test_the_native_layer_equals_the_python_loop(
             expected = moe.grouped(x, kernels, routed, ids)
             assert torch.equal(native.run(x), expected)
             assert torch.equal(moe(x, kernels), expected)  # the layer takes the op
+
+
+@pytest.mark.skipif(not load_native_ops(), reason="the native kernels did not build")
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_float32_moe_token_gets_the_same_output_alone_and_in_a_batch(family: str) -> None:
+    """A float32 MoE's experts and router take the few-row float32 kernel (AVX2 + FMA) up
+    to F32_ROWWISE_MAX_ROWS rows, whose sums do not depend on the batch: a token's layer
+    output is bit-identical alone and in a step of 16 tokens, on the native op and on the
+    Python loop. Only the experts turn row-wise: the attention projections and the LM head
+    keep torch's GEMM, and so their numbers."""
+    from engine.model.kernels.native import NativeKernels
+    from engine.model.layers.linear import F32_ROWWISE_MAX_ROWS, DenseLinear, linear_layers
+    from engine.model.layers.quantize import quantize_weights
+
+    if not torch.ops.kvserve.f32_linear_supported():
+        pytest.skip("this CPU has no AVX2 + FMA (the float32 kernel is never used on it)")
+    reference = random_reference(FAMILIES[family][0])
+    weights = quantize_weights(model_from_reference(reference).weights, "none", rowwise=True)
+    kernels = NativeKernels()
+    assert isinstance(weights.lm_head, DenseLinear) and not weights.lm_head.rowwise
+    torch.manual_seed(4)
+    x = torch.randn(F32_ROWWISE_MAX_ROWS, reference.config.hidden_size)
+    for layer in weights.layers:
+        moe = layer.mlp
+        if not isinstance(moe, MoEMLP):
+            assert not any(getattr(linear, "rowwise", False) for linear in linear_layers(layer))
+            continue
+        experts = linear_layers(moe.experts)
+        assert experts and all(isinstance(e, DenseLinear) and e.rowwise for e in experts)
+        attention = linear_layers(layer.attention)
+        assert not any(getattr(linear, "rowwise", False) for linear in attention)
+        assert moe.router(True).rowwise
+        batched = moe(x, kernels)
+        routed, ids = route(moe.router(True)(x), moe.routing)
+        assert torch.equal(moe.grouped(x, kernels, routed, ids), batched)
+        for token in range(x.shape[0]):
+            one = x[token : token + 1]
+            assert torch.equal(moe(one, kernels), batched[token : token + 1])
+            routed, ids = route(moe.router(True)(one), moe.routing)
+            assert torch.equal(moe.grouped(one, kernels, routed, ids), batched[token : token + 1])

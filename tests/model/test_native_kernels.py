@@ -21,6 +21,7 @@ from engine.model.kernels.params import AttentionParams
 from engine.model.kernels.select import select_kernels
 from engine.model.layers.linear import (
     BF16_ROWWISE_MAX_ROWS,
+    F32_ROWWISE_MAX_ROWS,
     ROWWISE_CHANNEL_BYTES,
     ROWWISE_MAX_ROWS,
     DenseLinear,
@@ -555,6 +556,82 @@ def test_bf16_model_takes_the_kernel_for_few_rows_only_where_the_cpu_has_it(
         x = torch.randn(rows, 64).to(torch.bfloat16)
         reference_out = torch.nn.functional.linear(x, layer.weight)
         torch.testing.assert_close(layer(x), reference_out, atol=0.02, rtol=8e-3)
+
+
+def _needs_avx2_fma() -> None:
+    # The kernel's own cases only: everything else in the suite runs on every CPU class.
+    if not torch.ops.kvserve.f32_linear_supported():
+        pytest.skip("this CPU has no AVX2 + FMA (the float32 kernel is never used on it)")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, F32_ROWWISE_MAX_ROWS])
+@pytest.mark.parametrize("in_features", [64, 100, 256, 772])  # 100, 772: masked tails
+def test_f32_linear_matches_torch(native, rows, in_features):
+    """The few-row float32 kernel: float32 products and sums, within float32 rounding of
+    the exact (float64) result and of torch's GEMM."""
+    _needs_avx2_fma()
+    torch.manual_seed(rows * in_features)
+    weight = torch.randn(37, in_features)
+    x = torch.randn(rows, in_features)
+    out = torch.empty(rows, 37)
+    torch.ops.kvserve.f32_linear(out, x, weight)
+    exact = (x.double() @ weight.double().T).float()
+    torch.testing.assert_close(out, exact, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("in_features", [64, 100, 768])
+def test_f32_linear_gives_a_row_the_same_bits_alone_and_in_any_batch(native, in_features):
+    """Batch invariance: each output is one row's dot product summed in a fixed order, so
+    a row computes bit-identical results alone, within 16 rows, at any position, and on
+    any number of threads."""
+    _needs_avx2_fma()
+    torch.manual_seed(in_features)
+    weight = torch.randn(300, in_features)  # several threads' worth of output rows
+    x = torch.randn(F32_ROWWISE_MAX_ROWS, in_features)
+    batched = torch.empty(F32_ROWWISE_MAX_ROWS, 300)
+    torch.ops.kvserve.f32_linear(batched, x, weight)
+    for rows in range(1, F32_ROWWISE_MAX_ROWS + 1):
+        part = torch.empty(rows, 300)
+        torch.ops.kvserve.f32_linear(part, x[-rows:].contiguous(), weight)
+        assert torch.equal(part, batched[-rows:])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = torch.empty_like(batched)
+        torch.ops.kvserve.f32_linear(serial, x, weight)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(serial, batched)
+
+
+def test_f32_linear_refuses_what_it_cannot_serve(native):
+    _needs_avx2_fma()
+    weight = torch.randn(8, 64)
+    too_many = F32_ROWWISE_MAX_ROWS + 1
+    with pytest.raises(RuntimeError, match=f"at most {F32_ROWWISE_MAX_ROWS} rows"):
+        torch.ops.kvserve.f32_linear(torch.empty(too_many, 8), torch.randn(too_many, 64), weight)
+    with pytest.raises(RuntimeError, match="float32"):
+        x = torch.randn(2, 64, dtype=torch.bfloat16)
+        torch.ops.kvserve.f32_linear(torch.empty(2, 8, dtype=torch.bfloat16), x, weight)
+    with pytest.raises(RuntimeError, match="float32 weights"):
+        torch.ops.kvserve.f32_linear(torch.empty(2, 8), torch.randn(2, 64), weight.bfloat16())
+    with pytest.raises(RuntimeError, match="shape"):
+        torch.ops.kvserve.f32_linear(torch.empty(2, 8), torch.randn(2, 64), torch.randn(8, 32))
+
+
+def test_a_rowwise_float32_layer_takes_the_kernel_up_to_its_row_limit(native):
+    """A row-wise float32 DenseLinear (an MoE expert) agrees with F.linear, its bias
+    included, on either side of F32_ROWWISE_MAX_ROWS (the kernel, then torch's GEMM)."""
+    _needs_avx2_fma()
+    torch.manual_seed(5)
+    layer = DenseLinear(torch.randn(40, 64), torch.randn(40), rowwise=True)
+    for rows in (1, F32_ROWWISE_MAX_ROWS, F32_ROWWISE_MAX_ROWS + 1):
+        x = torch.randn(rows, 64)
+        expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
+    one = torch.randn(1, 64)
+    assert torch.equal(layer(one), layer(torch.cat([one, torch.randn(7, 64)]))[:1])
 
 
 @pytest.mark.parametrize("vocab", [64, 100, 49152])  # 100: a partial last bitmask word

@@ -43,6 +43,11 @@ ROWWISE_MAX_ROWS = 4
 # 3-5x torch's bf16 GEMM (oneDNN) at 1-4 rows on SmolLM2's projections, 2x at 8, slower
 # from ~12 on (bench/bench_kernels.py --bf16).
 BF16_ROWWISE_MAX_ROWS = 8
+# Calls with at most this many float32 rows take the native float32 kernel (AVX2 + FMA)
+# where a layer asks for it (an MoE's experts and router, quantize.py): an expert of a
+# 32-sequence decode step gets ~4 rows, where ATen's GEMM is ~3x slower than streaming the
+# weights once (csrc/f32_linear.cpp; kF32FewRows in csrc/projection.h).
+F32_ROWWISE_MAX_ROWS = 16
 # Activation dtypes the integer int8 kernel and the int4 kernel read and write as they are.
 NATIVE_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # The row-major copy keeps one float32 scale per output channel beside its int8 weights.
@@ -84,6 +89,9 @@ class DenseLinear:
     calls of at most ``BF16_ROWWISE_MAX_ROWS`` rows go through ``torch.ops.kvserve.bf16_linear``
     instead: the CPU's bf16 dot-product instruction over the weights as stored, each
     weight row read once for every activation row (docs/archive/benchmarks-log.md, "bf16 decode").
+    With ``rowwise`` and float32 weights (a CPU with AVX2 and FMA) calls of at most
+    ``F32_ROWWISE_MAX_ROWS`` rows go through ``torch.ops.kvserve.f32_linear`` the same way,
+    each row's outputs the same sums whatever the batch.
     """
 
     __slots__ = ("bias", "rowwise", "weight")
@@ -96,10 +104,16 @@ class DenseLinear:
         self.rowwise = rowwise
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rowwise and x.shape[0] <= BF16_ROWWISE_MAX_ROWS and x.dtype == torch.bfloat16:
-            y = x.new_empty(x.shape[0], self.weight.shape[0])
-            torch.ops.kvserve.bf16_linear(y, x.contiguous(), self.weight)
-            return y if self.bias is None else y.add_(self.bias)
+        if self.rowwise:
+            rows = x.shape[0]
+            if x.dtype == torch.bfloat16 and rows <= BF16_ROWWISE_MAX_ROWS:
+                y = x.new_empty(rows, self.weight.shape[0])
+                torch.ops.kvserve.bf16_linear(y, x.contiguous(), self.weight)
+                return y if self.bias is None else y.add_(self.bias)
+            if x.dtype == torch.float32 and rows <= F32_ROWWISE_MAX_ROWS:
+                y = x.new_empty(rows, self.weight.shape[0])
+                torch.ops.kvserve.f32_linear(y, x.contiguous(), self.weight)
+                return y if self.bias is None else y.add_(self.bias)
         return F.linear(x, self.weight, self.bias)
 
     @property
@@ -413,6 +427,21 @@ def bf16_rowwise_supported(weight: torch.Tensor) -> bool:
         and load_native_ops()
         and bool(torch.ops.kvserve.bf16_linear_supported())
     )
+
+
+def f32_rowwise_supported(weight: torch.Tensor) -> bool:
+    """Whether the native few-row float32 kernel can serve ``weight`` on this CPU."""
+    return (
+        weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and load_native_ops()
+        and bool(torch.ops.kvserve.f32_linear_supported())
+    )
+
+
+def rowwise_supported(weight: torch.Tensor) -> bool:
+    """Whether a native few-row kernel (bf16 or float32) can serve ``weight``."""
+    return bf16_rowwise_supported(weight) or f32_rowwise_supported(weight)
 
 
 def _tensor_bytes(tensor: torch.Tensor | None) -> int:

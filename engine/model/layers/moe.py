@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.model.kernels.base import Kernels
-from engine.model.layers.linear import DenseLinear, bf16_rowwise_supported, parameter_bytes
+from engine.model.layers.linear import DenseLinear, parameter_bytes, rowwise_supported
 from engine.model.layers.mlp import GatedMLP
 from engine.model.layers.routing import Routing, route
 from engine.model.runtime.cpu_moe import NativeMoE
@@ -44,9 +44,10 @@ class MoEMLP:
     router_bias: torch.Tensor | None
     experts: list[GatedMLP]
     routing: Routing
-    # Built at the first step on the native kernels: the router as a few-row bf16 layer
-    # where the CPU has one (as a dense bf16 layer would be), and the whole layer as the
-    # native op takes it (None where it cannot).
+    # Built at the first step on the native kernels: the router as a few-row bf16 or
+    # float32 layer where the CPU has the kernel (as a dense bf16 layer or a float32
+    # expert would be), and the whole layer as the native op takes it (None where it
+    # cannot).
     _router: DenseLinear | None = field(default=None, init=False, repr=False, compare=False)
     _native: NativeMoE | None = field(default=None, init=False, repr=False, compare=False)
     _native_built: bool = field(default=False, init=False, repr=False, compare=False)
@@ -61,11 +62,12 @@ class MoEMLP:
         return self.grouped(x, kernels, weights, ids)
 
     def router(self, on_native: bool) -> DenseLinear:
-        """The router's projection (few-row bf16 on the native kernels where supported)."""
+        """The router's projection (few-row bf16 or float32 on the native kernels where
+        supported)."""
         if not on_native:
             return DenseLinear(self.router_weight, self.router_bias)
         if self._router is None:
-            rowwise = bf16_rowwise_supported(self.router_weight)
+            rowwise = rowwise_supported(self.router_weight)
             self._router = DenseLinear(self.router_weight, self.router_bias, rowwise=rowwise)
         return self._router
 

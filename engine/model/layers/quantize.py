@@ -7,6 +7,7 @@ Every linear layer of the decoder's layers is converted wherever the family put 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from engine.model.layers.decoder import ModelWeights
 from engine.model.layers.linear import (
@@ -16,8 +17,10 @@ from engine.model.layers.linear import (
     Linear,
     bf16_rowwise_supported,
     check_quantization,
+    f32_rowwise_supported,
     map_linears,
 )
+from engine.model.layers.moe import MoEMLP
 
 
 def quantize_weights(
@@ -29,12 +32,17 @@ def quantize_weights(
     lookup table stays in the serving dtype and both count toward the weight bytes. With
     int4 the decoder's projections are 4-bit. ``rowwise`` adds the int8 row-major copy for
     few-row calls (unquantized, it sends a bf16 model's few-row calls to the native bf16
-    kernel where the CPU has AVX512_BF16); it and int4 need the native kernels
+    kernel where the CPU has AVX512_BF16, and a float32 model's MoE experts to the native
+    float32 kernel where it has AVX2 and FMA); it and int4 need the native kernels
     (``kernels`` names the backend).
     """
     check_quantization(method, weights.embed.device, kernels)
     if method == "none":
-        return _with_bf16_rowwise(weights) if rowwise else weights
+        if not rowwise:
+            return weights
+        if f32_rowwise_supported(weights.embed):
+            return _with_f32_rowwise_experts(weights)
+        return _with_bf16_rowwise(weights)
 
     def convert(linear: Linear) -> Linear:
         return _to_int4(linear) if method == "int4" else _to_int8(linear, rowwise)
@@ -49,14 +57,39 @@ def _with_bf16_rowwise(weights: ModelWeights) -> ModelWeights:
     weights are bf16 and the CPU has AVX512_BF16; otherwise ``weights`` unchanged."""
     if not bf16_rowwise_supported(weights.embed):
         return weights
+    layers = map_linears(weights.layers, _rowwise)
+    return dataclasses.replace(weights, layers=layers, lm_head=_rowwise(weights.lm_head))
 
-    def rowwise(linear: Linear) -> Linear:
-        if isinstance(linear, DenseLinear) and linear.weight.is_contiguous():
-            return DenseLinear(linear.weight, linear.bias, rowwise=True)
-        return linear
 
-    layers = map_linears(weights.layers, rowwise)
-    return dataclasses.replace(weights, layers=layers, lm_head=rowwise(weights.lm_head))
+def _rowwise(linear: Linear) -> Linear:
+    if isinstance(linear, DenseLinear) and linear.weight.is_contiguous():
+        return DenseLinear(linear.weight, linear.bias, rowwise=True)
+    return linear
+
+
+def _with_f32_rowwise_experts(weights: ModelWeights) -> ModelWeights:
+    """A float32 model with its MoE experts' projections on the few-row float32 kernel.
+
+    Only the experts: a decode step hands each a few rows, where ATen's GEMM is slow, while
+    a dense projection gets the whole batch, where ATen's GEMM is fine; the dense layers
+    keep exactly the numbers they had. (The router takes the kernel in layers/moe.py.)"""
+    return dataclasses.replace(weights, layers=_map_moe_experts(weights.layers))
+
+
+def _map_moe_experts(weights: Any) -> Any:
+    """``weights`` with every ``MoEMLP``'s experts made row-wise (walked as ``map_linears``)."""
+    if isinstance(weights, MoEMLP):
+        return dataclasses.replace(weights, experts=map_linears(weights.experts, _rowwise))
+    if dataclasses.is_dataclass(weights) and not isinstance(weights, type):
+        changes = {
+            f.name: _map_moe_experts(getattr(weights, f.name))
+            for f in dataclasses.fields(weights)
+            if f.init
+        }
+        return dataclasses.replace(weights, **changes)
+    if isinstance(weights, (list, tuple)):
+        return type(weights)(_map_moe_experts(item) for item in weights)
+    return weights
 
 
 def _dense(linear: Linear) -> DenseLinear:

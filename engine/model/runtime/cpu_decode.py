@@ -52,6 +52,7 @@ class LinearKind(enum.IntEnum):
     INT8_INTEGER = 2  # int8_linear_vnni (VNNI or AVX2): weights, per-row scales
     INT8_FLOAT = 3  # int8_linear on float32 activations: weights, per-row scales
     INT4 = 4  # int4_linear: packed codes, Q4_1 parameters
+    DENSE_F32 = 5  # f32_linear: row-wise float32 weights (an MoE's experts) on AVX2 + FMA
 
 
 def projection_operands(
@@ -62,14 +63,20 @@ def projection_operands(
     if not allow_bias and getattr(linear, "bias", None) is not None:
         return None
     if isinstance(linear, DenseLinear):
-        kind = LinearKind.DENSE_BF16 if linear.rowwise else LinearKind.DENSE
-        return kind, linear.weight, _UNUSED
+        return dense_kind(linear), linear.weight, _UNUSED
     if isinstance(linear, Int8Linear) and linear.rowwise is not None:
         integer = linear.integer and dtype in NATIVE_ACTIVATION_DTYPES
         return (LinearKind.INT8_INTEGER if integer else LinearKind.INT8_FLOAT), *linear.rowwise
     if isinstance(linear, Int4Linear) and dtype in NATIVE_ACTIVATION_DTYPES:
         return LinearKind.INT4, linear.packed, linear.params
     return None
+
+
+def dense_kind(linear: DenseLinear) -> LinearKind:
+    """The kernel a dense projection takes: its few-row kernel where it is row-wise."""
+    if not linear.rowwise:
+        return LinearKind.DENSE
+    return LinearKind.DENSE_F32 if linear.weight.dtype == torch.float32 else LinearKind.DENSE_BF16
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import torch
 from engine.model.layers.linear import DenseLinear, Linear
 from engine.model.layers.mlp import SILU, ClampedSwiGLU, GatedMLP
 from engine.model.layers.routing import TOPK_SOFTMAX, Routing
-from engine.model.runtime.cpu_decode import LinearKind, projection_operands
+from engine.model.runtime.cpu_decode import LinearKind, dense_kind, projection_operands
 
 _NO_BIAS = torch.empty(0)
 
@@ -76,7 +76,7 @@ class NativeMoE:
             kinds,
             router.weight,
             _NO_BIAS if router.bias is None else router.bias,
-            int(LinearKind.DENSE_BF16 if router.rowwise else LinearKind.DENSE),
+            int(dense_kind(router)),
             routing.top_k,
             int(rule),
             routing.renormalize,

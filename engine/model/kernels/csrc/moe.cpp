@@ -6,15 +6,15 @@
 // int8 expert with more rows than its few-row kernel takes runs them four at a time here
 // where Python hands them to fbgemm (moe.py only takes this path for decode-sized steps).
 //
-// The chosen experts whose projections run on kvserve's own kernels (few-row bf16, int8,
-// int4: each output computed whole by one thread, so the thread count never changes a
+// The chosen experts whose projections run on kvserve's own kernels (few-row bf16, float32,
+// int8, int4: each output computed whole by one thread, so the thread count never changes a
 // result) run in parallel, one expert per thread at a time, largest first: a decode step's
 // experts are small matrices, and one thread streaming a whole expert beats two threads
 // meeting inside each of them (and an OpenMP fork per projection). Experts on an ATen GEMM
-// (float32, or bf16 past its few-row kernel) run after them one at a time with ATen's own
-// threads, as Python runs them, since a GEMM's result may depend on how it is threaded.
-// Their outputs are then added into each token's row in ascending expert id, as the Python
-// loop adds them.
+// (float16; float32 and bf16 past their few-row kernels, or without them) run after them
+// one at a time with ATen's own threads, as Python runs them, since a GEMM's result may
+// depend on how it is threaded. Their outputs are then added into each token's row in
+// ascending expert id, as the Python loop adds them.
 //
 // Each expert arrives as six tensors -- gate-up (a, b, bias), down (a, b, bias); an empty
 // bias means none -- and its two projections' kinds (projection.h).
@@ -118,7 +118,8 @@ void activate(int64_t activation, const at::Tensor& fused, at::Tensor& out, doub
 // Whether a projection of `rows` rows runs on an ATen GEMM (thread count matters) rather
 // than one of kvserve's row-wise kernels.
 bool on_aten_gemm(int64_t kind, int64_t rows) {
-  return kind == kDense || (kind == kDenseBf16 && rows > kBf16FewRows);
+  return kind == kDense || (kind == kDenseBf16 && rows > kBf16FewRows) ||
+         (kind == kDenseF32 && rows > kF32FewRows);
 }
 
 struct ExpertSpec {
@@ -210,7 +211,8 @@ MoEWeights::MoEWeights(std::vector<at::Tensor> experts, std::vector<int64_t> kin
   TORCH_CHECK(top_k >= 1 && top_k <= num_experts, "top_k must be in [1, experts]");
   TORCH_CHECK(rule == kSoftmaxTopk || rule == kTopkSoftmax, "unknown routing rule");
   TORCH_CHECK(activation == kSilu || activation == kClampedSwiglu, "unknown activation");
-  TORCH_CHECK(router_kind == kDense || router_kind == kDenseBf16, "the router is dense");
+  TORCH_CHECK(router_kind == kDense || router_kind == kDenseBf16 || router_kind == kDenseF32,
+              "the router is dense");
 }
 
 void moe_forward(at::Tensor& out, const at::Tensor& x, const c10::intrusive_ptr<MoEWeights>& w) {

@@ -17,7 +17,7 @@ struct MoEWeights : torch::CustomClassHolder {
   std::vector<int64_t> kinds;  // per expert: the two projections' LinearKind (projection.h)
   at::Tensor router_weight;    // [experts, hidden]
   at::Tensor router_bias;      // [experts], or empty
-  int64_t router_kind;         // kDense or kDenseBf16
+  int64_t router_kind;         // kDense, kDenseBf16 or kDenseF32
   int64_t top_k;
   int64_t rule;         // 0: softmax then top-k (renormalized if asked); 1: top-k then softmax
   bool renormalize;

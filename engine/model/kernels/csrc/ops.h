@@ -70,6 +70,10 @@ void int8_linear_vnni(at::Tensor& out, const at::Tensor& x, const at::Tensor& we
 bool bf16_linear_supported();
 void bf16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight);
 
+// f32_linear.cpp: float32 rows (at most projection.h's kF32FewRows) on AVX2 + FMA
+bool f32_linear_supported();
+void f32_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight);
+
 // int4_linear.cpp
 void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                  const at::Tensor& params);

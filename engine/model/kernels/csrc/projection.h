@@ -18,11 +18,14 @@ enum LinearKind : int64_t {
   kInt8Integer = 2,  // int8_linear_vnni (VNNI or AVX2): weight, per-row scales
   kInt8Float = 3,    // int8_linear on float32 activations: weight, per-row scales
   kInt4 = 4,         // int4_linear: packed codes, (scale, minimum) params
+  kDenseF32 = 5,     // f32_linear: a float32 MoE's experts on a CPU with AVX2 + FMA
 };
 
-// Rows up to which a layer takes its few-row kernel: linear.py's BF16_ROWWISE_MAX_ROWS and
-// ROWWISE_MAX_ROWS (int8: past it Python goes to fbgemm, which no native path calls).
+// Rows up to which a layer takes its few-row kernel: linear.py's BF16_ROWWISE_MAX_ROWS,
+// F32_ROWWISE_MAX_ROWS and ROWWISE_MAX_ROWS (int8: past it Python goes to fbgemm, which no
+// native path calls).
 constexpr int64_t kBf16FewRows = 8;
+constexpr int64_t kF32FewRows = 16;
 constexpr int64_t kInt8FewRows = 4;
 
 // Output features of a projection: a weight's rows, or for int4 the Q4_1 params' count
@@ -42,6 +45,12 @@ inline void project(int64_t kind, const at::Tensor& x, const at::Tensor& a, cons
     case kDenseBf16:
       if (rows <= kBf16FewRows && x.scalar_type() == at::kBFloat16) {
         bf16_linear(out, x, a);
+        break;
+      }
+      [[fallthrough]];
+    case kDenseF32:
+      if (kind == kDenseF32 && rows <= kF32FewRows && x.scalar_type() == at::kFloat) {
+        f32_linear(out, x, a);
         break;
       }
       [[fallthrough]];

@@ -29,8 +29,10 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("int4_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor params) -> ()");
   m.def("int8_linear_vnni(Tensor(a!) out, Tensor x, Tensor weight, Tensor scales) -> ()");
   m.def("bf16_linear(Tensor(a!) out, Tensor x, Tensor weight) -> ()");
+  m.def("f32_linear(Tensor(a!) out, Tensor x, Tensor weight) -> ()");
   // No tensor argument, so no dispatch key: one implementation for every backend.
   m.def("bf16_linear_supported() -> bool", &kvserve::bf16_linear_supported);
+  m.def("f32_linear_supported() -> bool", &kvserve::f32_linear_supported);
   m.def("int8_vnni_supported() -> bool", &kvserve::int8_vnni_supported);
   m.def("int8_integer_supported() -> bool", &kvserve::int8_integer_supported);
   m.def("amx_prefill_available() -> bool", &kvserve::amx_prefill_available);
@@ -63,6 +65,7 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("int8_linear_vnni", &kvserve::int8_linear_vnni);
   m.impl("int4_linear", &kvserve::int4_linear);
   m.impl("bf16_linear", &kvserve::bf16_linear);
+  m.impl("f32_linear", &kvserve::f32_linear);
   m.impl("apply_token_bitmask_", &kvserve::apply_token_bitmask_);
   m.impl("copy_blocks_serial_", &kvserve::copy_blocks_serial_);
   m.impl("decode_layers", &kvserve::decode_layers);
