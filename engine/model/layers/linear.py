@@ -32,9 +32,27 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.model import weight_format
 from engine.model.kernels.native import load_native_ops
+from engine.model.weight_format import (
+    INT4_GROUP,
+    INT4_GROUP_OVERHEAD_BYTES,
+    INT4_LEVELS,
+    INT8_CHANNEL_OVERHEAD_BYTES,
+    INT8_MAX,
+    QUANTIZATION_METHODS,
+    ROWWISE_CHANNEL_BYTES,
+)
 
-QUANTIZATION_METHODS: tuple[str, ...] = ("none", "int8", "int4")
+__all__ = [
+    "INT4_GROUP",
+    "INT4_GROUP_OVERHEAD_BYTES",
+    "INT4_LEVELS",
+    "INT8_CHANNEL_OVERHEAD_BYTES",
+    "INT8_MAX",
+    "QUANTIZATION_METHODS",
+    "ROWWISE_CHANNEL_BYTES",
+]
 # Calls with at most this many rows take the row-major int8 kernel when it is loaded: up to
 # here it is about as fast as fbgemm or faster, and exact in the activations; at 8 rows
 # it is half fbgemm's speed.
@@ -50,15 +68,6 @@ BF16_ROWWISE_MAX_ROWS = 8
 F32_ROWWISE_MAX_ROWS = 16
 # Activation dtypes the integer int8 kernel and the int4 kernel read and write as they are.
 NATIVE_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
-# The row-major copy keeps one float32 scale per output channel beside its int8 weights.
-ROWWISE_CHANNEL_BYTES = 4
-INT8_MAX = 127
-# fbgemm keeps one float32 scale and one int32 zero point per output channel.
-INT8_CHANNEL_OVERHEAD_BYTES = 4 + 4
-# int4 (Q4_1): 32 weights per group, two per byte, and a float16 scale and minimum.
-INT4_GROUP = 32
-INT4_LEVELS = 15
-INT4_GROUP_OVERHEAD_BYTES = 2 + 2
 # Output rows interleaved together in the int4 layout (kBlockRows in csrc/int4_linear.cpp).
 INT4_BLOCK_ROWS = 16
 # Calls with at most this many rows quantize activations for integer dot products
@@ -394,23 +403,8 @@ def quantize_per_channel(weight: torch.Tensor) -> torch.Tensor:
 
 
 def check_quantization(method: str, device: torch.device, kernels: str = "native") -> None:
-    """Reject an unknown method, int8/int4 off the CPU, and int4 without the native
-    kernels (``kernels`` names the backend in use), with messages naming the flag."""
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(
-            f"--quantization must be one of {list(QUANTIZATION_METHODS)}, not {method!r}"
-        )
-    if method != "none" and device.type != "cpu":
-        raise ValueError(
-            f"--quantization {method} runs on the CPU only, not on {device.type}; "
-            "use --quantization none (or --device cpu)"
-        )
-    if method == "int4" and kernels != "native":
-        raise ValueError(
-            "--quantization int4 runs on the native CPU kernels, which are not in use "
-            "(--kernels torch, or they failed to build: see the warning above); "
-            "use --kernels auto or --quantization int8"
-        )
+    """``weight_format.check_quantization`` for a torch device."""
+    weight_format.check_quantization(method, device.type, kernels)
 
 
 def int8_integer_supported() -> bool:
