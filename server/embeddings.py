@@ -156,12 +156,21 @@ async def run_pooled(
     refusal, an error, a client that went away: the caller's task is cancelled)."""
     params = SamplingParams(max_tokens=0, pooling=pooling)
     base = f"{prefix}-{uuid.uuid4().hex}"
+    requests = [
+        Request(f"{base}-{i}", ids, params, eos_token_ids=ctx.eos_token_ids, group_id=f"{base}-{i}")
+        for i, ids in enumerate(prompts)
+    ]
     streams: list[GroupStream] = []
     try:
-        for index, ids in enumerate(prompts):
-            rid = f"{base}-{index}"
-            request = Request(rid, ids, params, eos_token_ids=ctx.eos_token_ids, group_id=rid)
-            streams.append(await ctx.engine.add([request]))
+        # All added at once: the engine admits adds between steps, so adding them one
+        # after another would give each its own step (32 inputs took 32 steps).
+        added = await asyncio.gather(
+            *(ctx.engine.add([request]) for request in requests), return_exceptions=True
+        )
+        streams = [item for item in added if isinstance(item, GroupStream)]
+        for item in added:
+            if isinstance(item, BaseException):
+                raise item
         return list(await asyncio.gather(*(_vector(ctx, stream) for stream in streams)))
     except RequestRejected as exc:
         raise from_rejection(exc, ctx.settings.retry_after_s) from exc
