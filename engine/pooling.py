@@ -10,7 +10,9 @@ computed, after the model's final norm:
 - ``cls``: the row of position 0, from the step that computes it;
 - ``last``: the last prompt position's row, from the step that reaches it; with
   ``token_ids``, the LM head's logits of those tokens there instead (a causal
-  reranker's yes/no).
+  reranker's yes/no); with ``classify``, the classifier head's logits there (a
+  ``*ForSequenceClassification`` cross-encoder's, as transformers reads them at the
+  last token).
 
 Sums run in float32 whatever the model's dtype; the vector leaves the device as a list
 of Python floats (the scheduler is torch-free). ``mean`` and ``cls`` skip the prefix
@@ -31,9 +33,12 @@ def pool_rows(
     hidden: torch.Tensor,
     final_norm: Callable[[torch.Tensor], torch.Tensor],
     logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    classify_fn: Callable[[torch.Tensor], torch.Tensor],
 ) -> dict[str, PooledChunk]:
     """What this step adds to each pooling request of ``batch`` (``hidden``: the step's
-    rows ``[batch tokens, hidden]`` in batch order, before the final norm)."""
+    rows ``[batch tokens, hidden]`` in batch order, before the final norm; ``logits_fn``
+    and ``classify_fn``: the LM head's and the classifier head's float32 logits of such
+    rows)."""
     pooled: dict[str, PooledChunk] = {}
     row = 0
     for request in batch:
@@ -60,6 +65,8 @@ def pool_rows(
             if pooling.token_ids:
                 ids = torch.tensor(pooling.token_ids, device=hidden.device)
                 values = logits_fn(last)[0].index_select(0, ids)
+            elif pooling.classify:
+                values = classify_fn(last)[0]
             else:
                 values = final_norm(last).to(torch.float32)[0]
         pooled[request.request_id] = PooledChunk(start, end, values.cpu().tolist())

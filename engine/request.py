@@ -122,16 +122,22 @@ class PoolingParams:
     instead of sampling (engine/pooling.py). ``kind``: the last token's row, the mean of
     every row, or the first (CLS) row. ``token_ids``: instead of the hidden row, return
     the LM head's logits of these tokens at the last position (a causal reranker's
-    yes/no score); only with ``last``. The vector is raw: normalising is the caller's."""
+    yes/no score); only with ``last``. ``classify``: instead of the hidden row, return
+    the classifier head's logits at the last position (a ``*ForSequenceClassification``
+    model's, ``num_labels`` of them); only with ``last``, and only on a model that has
+    one. The vector is raw: normalising or a sigmoid is the caller's."""
 
     kind: PoolingKind = "last"
     token_ids: tuple[int, ...] = ()
+    classify: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in POOLING_KINDS:
             raise ValueError(f"pooling kind must be one of {POOLING_KINDS}")
-        if self.token_ids and self.kind != "last":
-            raise ValueError("token logits are read at the last position only")
+        if (self.token_ids or self.classify) and self.kind != "last":
+            raise ValueError("head logits are read at the last position only")
+        if self.token_ids and self.classify:
+            raise ValueError("token logits and classifier logits are two poolings, not one")
 
     @property
     def needs_every_position(self) -> bool:

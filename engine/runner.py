@@ -79,7 +79,9 @@ class ModelRunner:
         if any(r.sampling_params.prompt_logprobs is not None for r in batch):
             result.prompt_logprobs = score_prompts(batch, hidden, self.model.logits)
         if any(r.sampling_params.pooling is not None for r in batch):
-            result.pooled = pool_rows(batch, hidden, self.model.final_hidden, self.model.logits)
+            model = self.model
+            heads = (model.final_hidden, model.logits, model.classify)
+            result.pooled = pool_rows(batch, hidden, *heads)
         return result
 
     def _move_blocks(self, out: SchedulerOutput) -> None:

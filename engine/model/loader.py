@@ -4,7 +4,9 @@ config -> ``ModelSpec`` (spec.py) and the family module (registry.py); weights t
 transformers' own loaders (sharded safetensors in a directory; GGUF tensors dequantized
 and un-permuted there) into a state dict; the family repacks it into the fused layout
 (``family.load_weights``) and says how its layers combine (``family.decoder_options``);
-the reference model is dropped. Nothing is fetched from a hub: paths must be local.
+the reference model is dropped. A ``*ForSequenceClassification`` checkpoint loads the
+same decoder plus its classifier head (``ModelWeights.classifier``). Nothing is fetched
+from a hub: paths must be local.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from engine.model.families.hf_names import TensorReader
 from engine.model.layers.decoder import DecoderModel, DecoderOptions, ModelWeights
 from engine.model.layers.rotary import rotary_tables
-from engine.model.registry import load_family, text_config
+from engine.model.registry import classifier_labels, load_family, text_config
 from engine.model.spec import ModelSpec, spec_from_hf_config
 
 logger = logging.getLogger(__name__)
@@ -104,7 +106,7 @@ def load_model(
 def _load_state_dict(source: ModelSource, config: Any, dtype: torch.dtype) -> dict[str, Any]:
     """HF-named tensors. A GGUF is dequantized straight into a state dict (one pass over
     the file, no reference model built); a HF directory goes through from_pretrained."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     if source.gguf_file is not None:
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -115,7 +117,9 @@ def _load_state_dict(source: ModelSource, config: Any, dtype: torch.dtype) -> di
         path = str(source.directory / source.gguf_file)
         loaded = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)
         return {name: torch.as_tensor(t) for name, t in loaded["tensors"].items()}
-    reference = AutoModelForCausalLM.from_pretrained(
+    # A classifier checkpoint through its own class: the causal one would drop ``score``.
+    auto = AutoModelForSequenceClassification if classifier_labels(config) else AutoModelForCausalLM
+    reference = auto.from_pretrained(
         source.directory, dtype=dtype, **source.load_kwargs(), **_dequantizing(config)
     )
     return dict(reference.state_dict())

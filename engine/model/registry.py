@@ -53,6 +53,9 @@ ARCHITECTURES = MappingProxyType(
 )
 # Multimodal model types whose text model kvserve serves (their ``text_config``).
 TEXT_MODEL_OF = MappingProxyType({"gemma3": "gemma3_text"})
+# A checkpoint of a family above with a classifier head instead of the LM head (e.g.
+# ``Qwen3ForSequenceClassification``): the decoder under ``model.``, the head ``score``.
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
 
 
 def family_name(config: Any) -> str:
@@ -64,6 +67,15 @@ def family_name(config: Any) -> str:
         if architecture in ARCHITECTURES:
             return FAMILIES[ARCHITECTURES[architecture]]
     raise ValueError(f"unsupported model type {model_type!r}; kvserve runs {sorted(FAMILIES)}")
+
+
+def classifier_labels(config: Any) -> int:
+    """How many logits the classifier head of a ``*ForSequenceClassification`` checkpoint
+    gives (its ``score`` layer's rows, ``config.num_labels``); 0 for a causal LM."""
+    architectures = getattr(config, "architectures", None) or ()
+    if any(str(name).endswith(CLASSIFIER_SUFFIX) for name in architectures):
+        return int(config.num_labels)
+    return 0
 
 
 def text_config(config: Any) -> Any:

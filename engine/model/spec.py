@@ -14,7 +14,7 @@ from typing import Any
 
 from engine.kv.accounting import KVShape
 from engine.kv.groups import plan_kv_groups
-from engine.model.registry import family_name, text_config
+from engine.model.registry import classifier_labels, family_name, text_config
 
 # Attention kinds a layer can have. "chunked" (Llama 4's local chunks) and "recurrent"
 # (linear-attention / state-space layers) have names reserved here; no family uses them yet.
@@ -55,7 +55,8 @@ class ModelSpec:
     """Everything the forward pass and the KV cache need to know about the model's shape.
 
     ``layers`` holds one ``LayerSpec`` per layer; left empty it means every layer has full
-    attention (and is filled in so).
+    attention (and is filled in so). ``num_labels``: the logits of the classifier head a
+    ``*ForSequenceClassification`` checkpoint has instead of an LM head (0: a causal LM).
     """
 
     model_type: str
@@ -70,6 +71,7 @@ class ModelSpec:
     max_position_embeddings: int
     tie_word_embeddings: bool
     layers: tuple[LayerSpec, ...] = ()
+    num_labels: int = 0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -118,6 +120,7 @@ def spec_from_hf_config(config: Any) -> ModelSpec:
     """Read a ModelSpec from a transformers config. Raises ValueError for a family kvserve
     has no module for and for a layer type it cannot run (naming it)."""
     family_name(config)  # refuses a model type kvserve has no family module for
+    num_labels = classifier_labels(config)  # the architecture is the outer config's
     config = text_config(config)
     model_type = str(config.model_type)
     num_heads = int(config.num_attention_heads)
@@ -136,6 +139,7 @@ def spec_from_hf_config(config: Any) -> ModelSpec:
         max_position_embeddings=int(config.max_position_embeddings),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         layers=layer_specs(config, num_layers),
+        num_labels=num_labels,
     )
 
 

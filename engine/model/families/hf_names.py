@@ -20,6 +20,9 @@ from engine.model.layers.mlp import GatedMLP
 from engine.model.layers.norms import offset_norm_weight, plain_norm_weight
 from engine.model.spec import ModelSpec
 
+# Tensors outside the decoder's ``model.``: the LM head, or a classifier head (``score``).
+HEAD_PREFIXES = ("lm_head.", "score.")
+
 
 @dataclass(frozen=True)
 class TensorReader:
@@ -36,8 +39,9 @@ class TensorReader:
         return self.name(name) in self.state
 
     def name(self, name: str) -> str:
-        """The full key of ``name`` given relative to ``prefix`` (``lm_head.`` is not)."""
-        return name if name.startswith("lm_head.") else self.prefix + name
+        """The full key of ``name`` given relative to ``prefix`` (the heads, ``lm_head.``
+        and a classifier's ``score.``, are not: they sit beside the decoder)."""
+        return name if name.startswith(HEAD_PREFIXES) else self.prefix + name
 
     def raw(self, name: str) -> torch.Tensor:
         """The tensor as stored (any dtype, any device)."""
@@ -95,8 +99,9 @@ def model_weights(
     layer: Callable[[str], LayerWeights],
     norm: NormReader | None = None,
 ) -> ModelWeights:
-    """The embedding, ``layer(prefix)`` for every ``layers.{i}.``, the final norm and the
-    LM head (the embedding itself when tied or absent)."""
+    """The embedding, ``layer(prefix)`` for every ``layers.{i}.``, the final norm, the
+    LM head (the embedding itself when tied or absent, as in a classifier checkpoint) and
+    a classifier checkpoint's head."""
     read = norm if norm is not None else plain_norm
     embed = tensors.take("embed_tokens.weight")
     tied = spec.tie_word_embeddings or not tensors.has("lm_head.weight")
@@ -105,7 +110,22 @@ def model_weights(
         layers=[layer(f"layers.{i}.") for i in range(spec.num_layers)],
         final_norm=read(tensors, "norm.weight"),
         lm_head=DenseLinear(embed if tied else tensors.take("lm_head.weight")),
+        classifier=classifier_head(tensors, spec),
     )
+
+
+def classifier_head(tensors: TensorReader, spec: ModelSpec) -> torch.Tensor | None:
+    """``score.weight`` (``[num_labels, hidden]``, no bias in transformers'
+    ``*ForSequenceClassification``) when the spec says the checkpoint has one."""
+    if not spec.num_labels:
+        return None
+    head = tensors.take("score.weight")
+    if tuple(head.shape) != (spec.num_labels, spec.hidden_size):
+        raise ValueError(
+            f"score.weight is {tuple(head.shape)}, not [num_labels {spec.num_labels}, "
+            f"hidden {spec.hidden_size}]"
+        )
+    return head
 
 
 def plain_norm(tensors: TensorReader, name: str) -> torch.Tensor:

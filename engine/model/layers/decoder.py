@@ -73,6 +73,9 @@ class ModelWeights:
     layers: list[LayerWeights]
     final_norm: torch.Tensor
     lm_head: Linear  # a DenseLinear over the embedding tensor itself when tied
+    # A *ForSequenceClassification checkpoint's head ``[num_labels, hidden]``, read by
+    # classification pooling (engine/pooling.py); None for a causal LM.
+    classifier: torch.Tensor | None = None
 
     @property
     def lm_head_tied(self) -> bool:
@@ -81,7 +84,7 @@ class ModelWeights:
     @property
     def nbytes(self) -> int:
         """Bytes of every stored parameter; a tied LM head is the embedding, counted once."""
-        total = parameter_bytes([self.embed, self.final_norm, self.layers])
+        total = parameter_bytes([self.embed, self.final_norm, self.layers, self.classifier])
         return total if self.lm_head_tied else total + self.lm_head.nbytes
 
     @property
@@ -217,6 +220,16 @@ class DecoderModel:
         if options.final_softcap is not None:
             logits = torch.tanh(logits / options.final_softcap) * options.final_softcap
         return logits.to(torch.float32)
+
+    @torch.inference_mode()
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[rows, num_labels]`` of the classifier head for the given
+        final hidden rows: transformers' ``*ForSequenceClassification`` (final norm, then
+        ``score``; no soft-cap or divisor, which only its causal LM applies). Summed in
+        float32 whatever the model's dtype: one row per prompt costs nothing."""
+        head = self.weights.classifier
+        assert head is not None, "classification pooling on a model without a classifier head"
+        return self.final_hidden(hidden).to(torch.float32) @ head.to(torch.float32).T
 
 
 def fast_decode_path(model: DecoderModel) -> DecodeLayers | None:
