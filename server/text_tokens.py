@@ -26,14 +26,18 @@ from typing import Any
 IDS_PER_SLICE = 1024
 
 
-def encode_text(tokenizer: Any, text: str, *, add_special_tokens: bool) -> list[int]:
-    """``tokenizer.encode(text, add_special_tokens=...)``, GIL-friendly. Blocking: call it
-    from a worker thread."""
+def encode_text(
+    tokenizer: Any, text: str, *, add_special_tokens: bool, pair: str | None = None
+) -> list[int]:
+    """``tokenizer.encode(text, pair, add_special_tokens=...)``, GIL-friendly: with
+    ``pair``, the two texts joined as the tokenizer joins a pair (a cross-encoder's
+    query and document). Blocking: call it from a worker thread."""
     backend = _plain_backend(tokenizer)
     if backend is None:
-        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return list(tokenizer.encode(text, pair, add_special_tokens=add_special_tokens))
     encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-    (encoding,) = encode([text], add_special_tokens=add_special_tokens)
+    item = text if pair is None else (text, pair)
+    (encoding,) = encode([item], add_special_tokens=add_special_tokens)
     if len(encoding) <= IDS_PER_SLICE:
         ids: list[int] = encoding.ids
         return ids

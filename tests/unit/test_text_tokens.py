@@ -27,6 +27,14 @@ def test_encode_text_is_tokenizer_encode(
     assert encode_text(smollm_tokenizer, text, add_special_tokens=add_special_tokens) == expected
 
 
+@pytest.mark.parametrize("pair", ["Paris is the capital of France.", "", "word " * 800])
+def test_a_pair_is_the_tokenizers_pair(smollm_tokenizer: Any, pair: str) -> None:
+    """A cross-encoder's (query, document): ``tokenizer(query, document)``'s ids."""
+    query = "What is the capital of France?"
+    expected = smollm_tokenizer(query, pair)["input_ids"]
+    assert encode_text(smollm_tokenizer, query, pair=pair, add_special_tokens=True) == expected
+
+
 def test_a_long_text_is_read_in_slices_and_reassembled(smollm_tokenizer: Any) -> None:
     text = "alpha beta gamma delta " * 40_000
     ids = encode_text(smollm_tokenizer, text, add_special_tokens=True)
