@@ -390,7 +390,8 @@ def read_model_facts(model: str | None) -> ModelFacts:
         name=name,
         source=source,
         is_gguf=gguf is not None,
-        num_parameters=sum(parameter.numel() for parameter in skeleton.parameters()),
+        num_parameters=sum(parameter.numel() for parameter in skeleton.parameters())
+        + _classifier_parameters(config, text.hidden_size),
         num_layers=text.num_hidden_layers,
         num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
@@ -420,15 +421,35 @@ def _layer_windows(config: Any) -> tuple[int | None, ...]:
 def count_parameters(config: Any) -> int:
     """Exact parameter count: build the architecture on the meta device (no memory, no
     weights read), so tied embeddings and biases are counted as the model has them."""
-    return sum(parameter.numel() for parameter in _meta_model(config).parameters())
+    hidden = config.get_text_config().hidden_size
+    skeleton = _meta_model(config)
+    return sum(p.numel() for p in skeleton.parameters()) + _classifier_parameters(config, hidden)
 
 
 def _meta_model(config: Any) -> Any:
+    """The causal LM as the server holds it. A classifier checkpoint has no LM head of
+    its own: the server's reads the embedding (tied), so it is planned tied; its
+    ``score`` head is counted apart (``_classifier_parameters``)."""
+    import copy
+
     import torch
     from transformers import AutoModelForCausalLM
 
+    from engine.model.registry import classifier_labels
+
+    if classifier_labels(config):
+        config = copy.deepcopy(config)
+        config.tie_word_embeddings = True
+        config.get_text_config().tie_word_embeddings = True
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
+
+
+def _classifier_parameters(config: Any, hidden_size: int) -> int:
+    """A classifier checkpoint's ``score`` head ``[num_labels, hidden]`` (never quantized)."""
+    from engine.model.registry import classifier_labels
+
+    return classifier_labels(config) * hidden_size
 
 
 def _linear_weights(model: Any) -> tuple[int, int, int]:

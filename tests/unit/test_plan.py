@@ -47,6 +47,22 @@ def test_parameter_count_and_weight_bytes(tmp_path: Path, tied: bool) -> None:
     assert report.weight_bytes == expected * 2
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_classifier_is_planned_as_served(tmp_path: Path, tied: bool) -> None:
+    """A *ForSequenceClassification checkpoint: no LM head of its own (the server reads
+    the embedding), plus its score head [num_labels, hidden]."""
+    config = tiny_llama_config(num_layers=3, num_kv_heads=2, tie_embeddings=tied)
+    config.architectures = ["LlamaForSequenceClassification"]
+    config.num_labels = 1
+    config.save_pretrained(tmp_path)
+    report = build_report(parse("--model", str(tmp_path), "--device", "cpu", "--dtype", "float16"))
+    expected = llama_parameters(
+        vocab=256, hidden=64, layers=3, heads=4, kv_heads=2, inter=128, tied=True
+    )
+    assert report.num_parameters == expected + 64
+    assert report.weight_bytes == (expected + 64) * 2
+
+
 @pytest.mark.parametrize(
     ("kv_dtype", "per_head_bytes"),
     [("float32", 16 * 4), ("float16", 16 * 2), ("int8", 16 + 4)],  # int8: + float32 scale
