@@ -75,6 +75,9 @@ class BuiltEngine:
     # What the model directory says about pooling (embeddings; engine/pooling_config.py).
     pooling: ModelPooling = field(default_factory=ModelPooling)
     hidden_size: int = 0
+    # The classifier head's logits (a *ForSequenceClassification cross-encoder); 0 for a
+    # causal LM.
+    num_labels: int = 0
 
 
 def find_embedded_model() -> Path:
@@ -181,6 +184,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         tiers=tiers,
         pooling=read_model_pooling(source.directory if source.gguf_file is None else None),
         hidden_size=model.spec.hidden_size,
+        num_labels=model.spec.num_labels,
     )
 
 
@@ -392,6 +396,12 @@ def _log_startup(
         quantization,
         model.kernels.name,
     )
+    if model.spec.num_labels:
+        logger.info(
+            "model is a sequence classifier (%d labels, no LM head): it scores and reranks "
+            "with its head; generation routes refuse it",
+            model.spec.num_labels,
+        )
     logger.info(
         "memory budget %s = weights %s + activation peak %s (measured) + block-copy staging "
         "%s + KV budget %s",

@@ -1,5 +1,7 @@
 """What a model directory says about pooling: sentence-transformers' Pooling and Normalize
-modules, and whether it was trained for Matryoshka (truncatable) embeddings.
+modules, whether it was trained for Matryoshka (truncatable) embeddings, and the
+activation a cross-encoder's score goes through (sentence-transformers' CrossEncoder
+writes it into config.json).
 
 Read once at start-up, torch-free; the server's embeddings route combines it with
 ``--pooling`` (server/embeddings.py). A GGUF file or a plain causal LM says nothing:
@@ -29,12 +31,15 @@ class ModelPooling:
     """``kind``: the pooling the model was trained with (None: not stated);
     ``normalize``: whether its sentence-transformers pipeline ends in Normalize (None:
     not stated); ``matryoshka``: its embeddings may be truncated; ``dimensions``: the
-    truncations it was trained for (empty: any up to the hidden size)."""
+    truncations it was trained for (empty: any up to the hidden size);
+    ``score_activation``: a cross-encoder's activation as config.json names it (a
+    ``torch.nn.modules`` qualname; None: not stated, a sigmoid for one label)."""
 
     kind: str | None = None
     normalize: bool | None = None
     matryoshka: bool = False
     dimensions: tuple[int, ...] = ()
+    score_activation: str | None = None
 
 
 def read_model_pooling(directory: Path | None) -> ModelPooling:
@@ -45,7 +50,17 @@ def read_model_pooling(directory: Path | None) -> ModelPooling:
     dimensions = tuple(int(d) for d in config.get("matryoshka_dimensions") or ())
     matryoshka = bool(config.get("is_matryoshka")) or bool(dimensions)
     kind, normalize = _sentence_transformers(directory)
-    return ModelPooling(kind, normalize, matryoshka, dimensions)
+    return ModelPooling(kind, normalize, matryoshka, dimensions, _score_activation(config))
+
+
+def _score_activation(config: dict[str, Any]) -> str | None:
+    """sentence-transformers >= 4 writes ``sentence_transformers.activation_fn``, older
+    releases ``sbert_ce_default_activation_function``."""
+    current = config.get("sentence_transformers")
+    if isinstance(current, dict) and current.get("activation_fn"):
+        return str(current["activation_fn"])
+    older = config.get("sbert_ce_default_activation_function")
+    return str(older) if older else None
 
 
 def _sentence_transformers(directory: Path) -> tuple[str | None, bool | None]:

@@ -24,6 +24,7 @@ from engine.pooling_config import ModelPooling
 from server.body_reader import BodyReadMiddleware, send_error
 from server.chat_template import ChatTemplate
 from server.cors import add_cors
+from server.cross_encoder import check_classifier_settings
 from server.errors import APIError, install_error_handlers
 from server.responses.state import ResponsesState
 from server.responses.store import ResponseStore
@@ -113,7 +114,11 @@ def serving_context(
     compute: ComputeThread | None = None,
 ) -> ServingContext:
     """Wrap a ``BuiltEngine`` (engine.builder) into the routes' context; ``compute`` is
-    the thread that built it, on which the engine then steps (engine/compute_thread.py)."""
+    the thread that built it, on which the engine then steps (engine/compute_thread.py).
+    ValueError for settings the model contradicts (``--reranker`` on a classifier)."""
+    pooling = getattr(built, "pooling", None) or ModelPooling()
+    num_labels = getattr(built, "num_labels", 0)
+    check_classifier_settings(num_labels, pooling, settings.reranker)  # before any thread
     engine = AsyncEngine(built.core, queue_timeout_s=settings.queue_timeout_s, compute=compute)
     names = settings.served_model_names or (built.model_name,)
     metrics = _make_metrics(built, engine, names[0], cache_info) if with_metrics else None
@@ -139,8 +144,9 @@ def serving_context(
         ),
         responses=responses,
         ignored_fields=IgnoredFields(metrics.count_ignored_field if metrics else None),
-        model_pooling=getattr(built, "pooling", None) or ModelPooling(),
+        model_pooling=pooling,
         hidden_size=getattr(built, "hidden_size", 0),
+        num_labels=num_labels,
     )
 
 

@@ -413,7 +413,11 @@ def _run_uvicorn(
         "preemption_mode": engine_args.preemption_mode,
         "admission_policy": engine_args.admission_policy,
     }
-    ctx = serving_context(built, settings, cache_info=cache_info, compute=compute)
+    try:
+        ctx = serving_context(built, settings, cache_info=cache_info, compute=compute)
+    except ValueError as exc:  # flags the model contradicts (--reranker on a classifier)
+        print(f"kvserve: {exc}", file=sys.stderr)
+        return 2
     app = build_app(ctx)
     config = uvicorn_config(app, settings, ctx.count_rejected)
     favour_the_event_loop()

@@ -1,13 +1,18 @@
 """Scores and reranking (vLLM's /v1/score and /v1/rerank, Jina / Cohere-like shapes) from
-a causal reranker: the relevance of a document to a query is the probability of "yes"
-against "no" as the model's next token after its judging prompt (Qwen3-Reranker's
-definition: softmax over the two logits at the prompt's last position).
+one of two kinds of model, each (query, document) pair one prefill-only engine request
+that runs beside generation like embeddings (server/embeddings.py ``run_pooled``):
 
-kvserve runs decoder-only models, so a cross-encoder's classifier head (BERT-like
-rerankers) is out of reach: without ``--reranker`` both routes answer 400 naming the
-flag. With it, each (query, document) pair becomes one prefill-only engine request whose
-pooling reads the two logits (``PoolingParams("last", token_ids=(yes, no))``); they run
-beside generation like embeddings (server/embeddings.py ``run_pooled``).
+- a cross-encoder, a decoder ``*ForSequenceClassification`` checkpoint: its classifier
+  head's logit on ``tokenizer(query, document)``, through a sigmoid
+  (server/cross_encoder.py); no flag needed;
+- a causal reranker (``--reranker``): the probability of "yes" against "no" as the
+  model's next token after its judging prompt (Qwen3-Reranker's definition: softmax over
+  the two logits at the prompt's last position, ``PoolingParams("last", token_ids=(yes,
+  no))``).
+
+Encoder cross-encoders (BERT, XLM-R: bge-reranker-v2-m3, ms-marco MiniLM) are not
+served: kvserve runs decoder-only models. A causal LM without ``--reranker`` answers 400
+naming the ways to score.
 """
 
 from __future__ import annotations
@@ -15,12 +20,14 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
 from engine.request import PoolingParams
+from server.cross_encoder import check_cross_encoder, prepare_text_pairs
 from server.embeddings import MAX_INPUTS, run_pooled, truncate
 from server.errors import invalid
 from server.protocol import StrictModel
@@ -92,14 +99,47 @@ class RerankRequest(_ScoringFields):
     return_documents: bool = True
 
 
+# Blocking: (ctx, pairs, truncate_prompt_tokens, param) -> each pair's prompt ids.
+PreparePairs = Callable[[ServingContext, list[tuple[str, str]], int | None, str], list[list[int]]]
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """How the served model scores: each pair's prompt (``prepare``, off the event
+    loop), the engine's pooling of it, and the score of the pooled vector."""
+
+    prepare: PreparePairs
+    pooling: PoolingParams
+    score: Callable[[list[float]], float]
+
+
+def scorer(ctx: ServingContext, instruction: str | None) -> Scorer:
+    """The served model's scorer: its classifier head, else ``--reranker``'s format;
+    400 when it has neither or the request does not fit it."""
+    if ctx.num_labels:
+        activation = check_cross_encoder(ctx, instruction)
+        return Scorer(
+            prepare_text_pairs, PoolingParams("last", classify=True), lambda v: activation(v[0])
+        )
+    fmt, ids = reranker(ctx)
+
+    def prepare(
+        ctx: ServingContext, pairs: list[tuple[str, str]], keep: int | None, param: str
+    ) -> list[list[int]]:
+        return prepare_pairs(ctx, fmt, pairs, instruction, keep, param)
+
+    return Scorer(prepare, PoolingParams("last", token_ids=ids), relevance)
+
+
 def reranker(ctx: ServingContext) -> tuple[RerankerFormat, tuple[int, int]]:
     """The server's reranker format and its (yes, no) token ids; 400 without one."""
     name = ctx.settings.reranker
     if name is None:
         raise invalid(
-            "this server has no scoring model: kvserve scores with a causal reranker's yes/no "
-            "logits (start it with --reranker qwen3 and a Qwen3-Reranker model); "
-            "cross-encoder classifier heads are not supported",
+            "this server has no scoring model: kvserve scores with a cross-encoder (serve a "
+            "*ForSequenceClassification checkpoint of a decoder family, e.g. "
+            "Qwen3ForSequenceClassification) or with a causal reranker's yes/no logits "
+            "(start it with --reranker qwen3 and a Qwen3-Reranker model)",
             code="model_not_supported",
         )
     fmt = RERANKER_FORMATS[name]
@@ -169,15 +209,14 @@ def relevance(yes_no: list[float]) -> float:
 
 
 async def score_prompts(
-    ctx: ServingContext, prompts: list[list[int]], ids: tuple[int, int], endpoint: str
+    ctx: ServingContext, scoring: Scorer, prompts: list[list[int]], endpoint: str
 ) -> list[float]:
     start = time.monotonic()
-    pooling = PoolingParams("last", token_ids=ids)
-    logits = await run_pooled(ctx, prompts, pooling, endpoint)
+    pooled = await run_pooled(ctx, prompts, scoring.pooling, endpoint)
     if ctx.metrics is not None:
         tokens = sum(len(p) for p in prompts)
         ctx.metrics.observe_pooling(endpoint, len(prompts), tokens, time.monotonic() - start)
-    return [relevance(pair) for pair in logits]
+    return [scoring.score(vector) for vector in pooled]
 
 
 def score_body(ctx: ServingContext, scores: list[float], num_tokens: int) -> dict[str, Any]:

@@ -44,6 +44,7 @@ async def create_chat_completion(
     ctx: Ctx,
 ) -> JSONResponse | StreamingResponse:
     model = ctx.check_model(body.model)
+    ctx.check_generates()
     run, chat = await launch_chat(ctx, request, body, new_id("chatcmpl"))
     formatter = _ChatFormatter(ctx, run, model, body, chat)
     if body.stream:

@@ -43,6 +43,7 @@ async def create_completion(
     ctx: Ctx,
 ) -> JSONResponse | StreamingResponse:
     model = ctx.check_model(body.model)
+    ctx.check_generates()
     prompts, params, constraint = await ctx.request_cpu.run(request, prepare_completion, ctx, body)
     params = await constrained(ctx.grammar_compiler, params, constraint)
     run = GenerationRun(

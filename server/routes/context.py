@@ -48,6 +48,9 @@ class ServingContext:
     # What the model directory says about pooling, and its hidden size (embeddings).
     model_pooling: ModelPooling = field(default_factory=ModelPooling)
     hidden_size: int = 0
+    # The classifier head's logits of a *ForSequenceClassification model (it scores with
+    # them, server/cross_encoder.py, and generates nothing); 0 for a causal LM.
+    num_labels: int = 0
 
     def template(self) -> ChatTemplate:
         """The chat template the routes render with (--chat-template or the model's)."""
@@ -78,6 +81,20 @@ class ServingContext:
             code="model_not_found",
             reason="model_not_found",
         )
+
+    def check_generates(self) -> None:
+        """400 on a generation route when the model is a sequence classifier: it has no
+        LM head to sample from (its checkpoint's ``score`` head replaces it)."""
+        if self.num_labels:
+            raise APIError(
+                400,
+                "this model is a sequence classifier (a *ForSequenceClassification "
+                "checkpoint, no LM head); it serves /v1/score, /v1/rerank and "
+                "/v1/embeddings, not generation",
+                param="model",
+                code="model_not_supported",
+                reason="invalid",
+            )
 
     def record(self, record: RequestRecord) -> None:
         if self.metrics is not None:

@@ -31,6 +31,7 @@ async def create_message(
     body: MessagesRequest, request: HTTPRequest, ctx: Ctx
 ) -> JSONResponse | StreamingResponse:
     model = ctx.check_model(body.model)
+    ctx.check_generates()
     # Translating and validating the whole conversation grows with the body: off the loop.
     chat_body = await ctx.request_cpu.run(request, chat_request, body)
     run, chat = await launch_chat(ctx, request, chat_body, new_message_id(), up_to_context=True)

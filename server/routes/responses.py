@@ -35,6 +35,7 @@ async def create_response(
     body: ResponsesRequest, request: HTTPRequest, ctx: Ctx
 ) -> JSONResponse | StreamingResponse:
     model = ctx.check_model(body.model)
+    ctx.check_generates()
     state = responses_state(ctx)
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:

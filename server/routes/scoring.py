@@ -1,4 +1,5 @@
-"""POST /v1/score and /v1/rerank (vLLM's shapes; server/scoring.py does the work)."""
+"""POST /v1/score and /v1/rerank (vLLM's shapes; server/scoring.py does the work, with a
+cross-encoder's head or a causal reranker's prompt, whichever the server has)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,10 @@ from server.scoring import (
     RerankRequest,
     ScoreRequest,
     pairs_of,
-    prepare_pairs,
     rerank_body,
-    reranker,
     score_body,
     score_prompts,
+    scorer,
 )
 
 router = APIRouter(route_class=OffLoopBodyRoute)
@@ -30,21 +30,14 @@ router = APIRouter(route_class=OffLoopBodyRoute)
 @router.post("/v1/score")
 async def score(body: ScoreRequest, request: HTTPRequest, ctx: Ctx) -> JSONResponse:
     ctx.check_model(body.model)
-    fmt, ids = reranker(ctx)
+    scoring = scorer(ctx, body.instruction)
     pairs = pairs_of(body)
     prompts = await ctx.request_cpu.run(
-        request,
-        prepare_pairs,
-        ctx,
-        fmt,
-        pairs,
-        body.instruction,
-        body.truncate_prompt_tokens,
-        "text_2",
+        request, scoring.prepare, ctx, pairs, body.truncate_prompt_tokens, "text_2"
     )
 
     async def answer() -> dict[str, Any]:
-        scores = await score_prompts(ctx, prompts, ids, "score")
+        scores = await score_prompts(ctx, scoring, prompts, "score")
         return score_body(ctx, scores, sum(len(p) for p in prompts))
 
     return await _respond(request, answer())
@@ -53,23 +46,16 @@ async def score(body: ScoreRequest, request: HTTPRequest, ctx: Ctx) -> JSONRespo
 @router.post("/v1/rerank")
 async def rerank(body: RerankRequest, request: HTTPRequest, ctx: Ctx) -> JSONResponse:
     ctx.check_model(body.model)
-    fmt, ids = reranker(ctx)
+    scoring = scorer(ctx, body.instruction)
     if not body.documents:
         raise invalid("'documents' must not be empty", "documents")
     pairs = [(body.query, document) for document in body.documents]
     prompts = await ctx.request_cpu.run(
-        request,
-        prepare_pairs,
-        ctx,
-        fmt,
-        pairs,
-        body.instruction,
-        body.truncate_prompt_tokens,
-        "documents",
+        request, scoring.prepare, ctx, pairs, body.truncate_prompt_tokens, "documents"
     )
 
     async def answer() -> dict[str, Any]:
-        scores = await score_prompts(ctx, prompts, ids, "rerank")
+        scores = await score_prompts(ctx, scoring, prompts, "rerank")
         return rerank_body(ctx, body, scores, sum(len(p) for p in prompts))
 
     return await _respond(request, answer())
