@@ -274,7 +274,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         choices=RERANKERS,
         help="serve /v1/score and /v1/rerank with this causal reranker's prompt format and "
-        "yes/no logits (qwen3: Qwen3-Reranker)",
+        "yes/no logits (qwen3: Qwen3-Reranker); a *ForSequenceClassification model needs "
+        "no flag (it scores with its classifier head) and refuses this one",
     )
     http.add_argument(
         "--disable-ui", action="store_true", help="do not serve the live KV block map at /ui"
