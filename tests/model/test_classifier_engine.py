@@ -3,7 +3,8 @@ EngineCore: a tiny random Llama and Qwen3 classifier saved with ``save_pretraine
 through kvserve's loader with their ``score`` head, and classification pooling gives
 transformers' ``model(input_ids).logits`` for several (query, document) sequences in one
 step, in chunks shorter than a prompt, beside greedy generation, and again from the
-prefix cache; nothing is left behind."""
+prefix cache; nothing is left behind. Every other family with a transformers classifier
+class loads and pools its head the same way."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from engine.config import CacheConfig, SchedulerConfig
 from engine.model.loader import ModelSource, load_model
 from engine.request import PoolingParams, Request, SamplingParams
+from tests.model import family_models
 from tests.model.engine_helpers import greedy, make_core, reference_greedy
 
 # fp32 on both sides; the paged attention sums in another order than transformers' SDPA.
@@ -137,6 +139,53 @@ def test_every_label_of_a_multi_label_head(tmp_path):
     for name, ids in PAIRS.items():
         got = torch.tensor(results[name])
         assert got.shape == (3,)
+        torch.testing.assert_close(got, reference_logits(reference, ids), atol=ATOL, rtol=0)
+
+
+# Every family of tests/model/family_models.py whose transformers class has a
+# *ForSequenceClassification (granite has none).
+CLASSIFIER_CLASSES = {
+    "llama": "LlamaForSequenceClassification",
+    "mistral": "MistralForSequenceClassification",
+    "ministral": "MinistralForSequenceClassification",
+    "qwen2": "Qwen2ForSequenceClassification",
+    "qwen3": "Qwen3ForSequenceClassification",
+    "phi3": "Phi3ForSequenceClassification",
+    "olmo2": "Olmo2ForSequenceClassification",
+    "mixtral": "MixtralForSequenceClassification",
+    "qwen3_moe": "Qwen3MoeForSequenceClassification",
+    "gpt_oss": "GptOssForSequenceClassification",
+    "gemma2": "Gemma2ForSequenceClassification",
+    "gemma3_text": "Gemma3TextForSequenceClassification",
+    "gemma3": "Gemma3ForSequenceClassification",  # the multimodal checkpoint's text model
+}
+
+
+@pytest.mark.parametrize("family", list(CLASSIFIER_CLASSES))
+def test_every_family_with_a_classifier_class_loads_its_head(tmp_path, family):
+    """The family tests' tiny random models (tests/model/family_models.py), as
+    classifiers: saved, loaded and pooled in 20-token chunks, their logits equal
+    transformers'. The served context is LongRoPE's short one (phi3), as transformers
+    picks it for prompts this short."""
+    import transformers
+
+    build, block_size = family_models.FAMILIES[family]
+    config = build().config
+    config.num_labels = 1
+    config.pad_token_id = None  # transformers then reads the last position, as kvserve does
+    cls = getattr(transformers, CLASSIFIER_CLASSES[family])
+    reference = family_models.random_reference(lambda: cls(config)).float()
+    reference.save_pretrained(tmp_path, safe_serialization=True)
+    model = load_model(ModelSource.from_path(tmp_path), torch.float32, torch.device("cpu"), 512, 64)
+    core = make_core(
+        model,
+        CacheConfig(num_device_blocks=128, block_size=block_size),
+        SchedulerConfig(max_num_batched_tokens=family_models.CHUNK, min_prefill_tokens=1),
+    )
+    prompts = {str(i): list(ids) for i, ids in enumerate(family_models.PROMPTS)}
+    results = run(core, [Request(name, ids, CLASSIFY) for name, ids in prompts.items()])
+    for name, ids in prompts.items():
+        got = torch.tensor(results[name])
         torch.testing.assert_close(got, reference_logits(reference, ids), atol=ATOL, rtol=0)
 
 
