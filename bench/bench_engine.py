@@ -11,7 +11,8 @@ the issue quotes for this machine (about 1,400 tok/s).
 
 With ``--repeats N`` every (engine, batch) runs N times, engines interleaved within each
 repeat so that machine noise hits them alike, and the table shows medians. kvserve
-variants are the cross product of ``--quantization`` and ``--kernels``.
+variants are the cross product of ``--quantization``, ``--kernels`` and
+``--batch-invariant`` (off, on or off,on: the cost of ``kvserve serve --batch-invariant``).
 
     .venv/bin/python bench/bench_engine.py                       # B = 1, 8, 32, 64
     .venv/bin/python bench/bench_engine.py --batches 1,8 --output-len 32 --hf-batches 1
@@ -22,6 +23,7 @@ variants are the cross product of ``--quantization`` and ``--kernels``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -122,6 +124,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--kernels", default="auto", help="comma-separated kernel backends: auto,native,torch"
     )
+    parser.add_argument(
+        "--batch-invariant",
+        default="off",
+        help="comma-separated: off, on (EngineArgs.batch_invariant)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="runs per (engine, batch)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--skip-transformers", action="store_true")
@@ -138,14 +145,17 @@ def main() -> None:
     seq_len = args.prompt_len + args.output_len
     engines = {}
     for quantization in args.quantization.split(","):
-        for kernels in args.kernels.split(","):
-            label = _label(quantization, kernels)
+        for kernels, invariant in itertools.product(
+            args.kernels.split(","), args.batch_invariant.split(",")
+        ):
+            label = _label(quantization, kernels) + (" invariant" if invariant == "on" else "")
             engines[label] = build_engine(
                 EngineArgs(
                     dtype=args.dtype,
                     kv_cache_dtype=args.kv_cache_dtype,
                     quantization=quantization,
                     kernels=kernels,
+                    batch_invariant=invariant == "on",
                     max_model_len=seq_len + 16,
                     num_kv_blocks=max_batch * (-(-(seq_len + 16) // 16)) + 8,
                     max_num_seqs=max_batch,

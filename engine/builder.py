@@ -138,7 +138,9 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     )
     kernels = select_kernels(args.kernels, device, dtype)
     rowwise = kernels.name == "native"  # the few-row int8 kernel is one of the native ops
-    quantized = quantize_weights(model.weights, args.quantization, rowwise, kernels.name)
+    quantized = quantize_weights(
+        model.weights, args.quantization, rowwise, kernels.name, args.batch_invariant
+    )
     model = model.replace(weights=quantized, kernels=kernels)
     max_model_len = _max_model_len(args, model.spec.context_limit)
     kv_dtype = accounting.resolve_kv_dtype(args.kv_cache_dtype, dtype_name(dtype), args.dtype)

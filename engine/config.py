@@ -249,6 +249,9 @@ class EngineArgs:
     quantization: str = "none"
     # Norm / rotary / activation / attention kernels: auto | native (fused CPU ops) | torch.
     kernels: str = "auto"
+    # Every projection on its row-wise kernel at every row count: a request's numbers never
+    # depend on the rest of its step (temperature 0 gives one answer), at a prefill cost.
+    batch_invariant: bool = False
     # CUDA: run decode steps eagerly instead of replaying CUDA graphs (vLLM's flag name).
     enforce_eager: bool = False
     # Speculative decoding (None = off); the CLI's --speculative-config JSON.

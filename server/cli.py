@@ -79,6 +79,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="norm/rotary/attention kernels: native = fused C++ CPU ops (auto: when they build)",
     )
     model.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="CPU: every projection on its row-wise kernel at any batch size, so a request's "
+        "tokens never depend on what else is in its step (temperature 0 gives one answer); "
+        "slower prefill and large batches (docs/reference/batch-invariance.md)",
+    )
+    model.add_argument(
         "--enforce-eager",
         action="store_true",
         help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
@@ -299,6 +306,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         quantization=args.quantization,
         kernels=args.kernels,
+        batch_invariant=args.batch_invariant,
         enforce_eager=args.enforce_eager,
         max_model_len=args.max_model_len,
         block_size=args.block_size,

@@ -134,8 +134,10 @@ def _span_attention(
     context = span.num_computed + rows
     q = query[span.start : span.end].transpose(0, 1).unsqueeze(0)
     first = _first_key(span.num_computed, params.window, cache.block_size)
-    if span.num_computed == 0:
-        # The whole context is this chunk: use the fresh K/V, no cache read needed.
+    if span.num_computed == 0 and cache.holds_exact_kv:
+        # The whole context is this chunk: use the fresh K/V, no cache read needed. (A
+        # quantized or narrower cache is read back instead, so that a prompt attends to the
+        # same keys whether its prefix was computed now or found in the prefix cache.)
         k = key[span.start : span.end].transpose(0, 1).unsqueeze(0)
         v = value[span.start : span.end].transpose(0, 1).unsqueeze(0)
     else:

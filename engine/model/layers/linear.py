@@ -101,27 +101,40 @@ class DenseLinear:
     With ``rowwise`` and float32 weights (a CPU with AVX2 and FMA) calls of at most
     ``F32_ROWWISE_MAX_ROWS`` rows go through ``torch.ops.kvserve.f32_linear`` the same way,
     each row's outputs the same sums whatever the batch.
+
+    With ``invariant`` (``--batch-invariant``; needs ``rowwise``) every call takes the
+    few-row kernel, in chunks of its row limit: a row's numbers then never depend on the
+    other rows of the step.
     """
 
-    __slots__ = ("bias", "rowwise", "weight")
+    __slots__ = ("bias", "invariant", "rowwise", "weight")
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, rowwise: bool = False
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        rowwise: bool = False,
+        invariant: bool = False,
     ):
         self.weight = weight
         self.bias = bias
         self.rowwise = rowwise
+        self.invariant = invariant and rowwise
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.rowwise:
             rows = x.shape[0]
-            if x.dtype == torch.bfloat16 and rows <= BF16_ROWWISE_MAX_ROWS:
-                y = x.new_empty(rows, self.weight.shape[0])
-                torch.ops.kvserve.bf16_linear(y, x.contiguous(), self.weight)
+            if x.dtype == torch.bfloat16 and (self.invariant or rows <= BF16_ROWWISE_MAX_ROWS):
+                y = by_row_chunks(
+                    torch.ops.kvserve.bf16_linear, x, self.weight.shape[0], BF16_ROWWISE_MAX_ROWS,
+                    self.weight,
+                )  # fmt: skip
                 return y if self.bias is None else y.add_(self.bias)
-            if x.dtype == torch.float32 and rows <= F32_ROWWISE_MAX_ROWS:
-                y = x.new_empty(rows, self.weight.shape[0])
-                torch.ops.kvserve.f32_linear(y, x.contiguous(), self.weight)
+            if x.dtype == torch.float32 and (self.invariant or rows <= F32_ROWWISE_MAX_ROWS):
+                y = by_row_chunks(
+                    torch.ops.kvserve.f32_linear, x, self.weight.shape[0], F32_ROWWISE_MAX_ROWS,
+                    self.weight,
+                )  # fmt: skip
                 return y if self.bias is None else y.add_(self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -150,10 +163,21 @@ class Int8Linear:
       rounding), each weight widened to float.
 
     Larger batches use fbgemm's integer GEMM (per-tensor 7-bit activations), which is
-    faster once the step is compute-bound (bench/bench_kernels.py).
+    faster once the step is compute-bound (bench/bench_kernels.py), but whose activation
+    scale is shared by every row of the call: a row's numbers depend on its batch. With
+    ``invariant`` (``--batch-invariant``; needs ``rowwise``) every call takes the row-wise
+    kernel, whose rows are each quantized and summed on their own.
     """
 
-    __slots__ = ("bias", "in_features", "integer", "out_features", "packed", "rowwise")
+    __slots__ = (
+        "bias",
+        "in_features",
+        "integer",
+        "invariant",
+        "out_features",
+        "packed",
+        "rowwise",
+    )
 
     def __init__(
         self,
@@ -162,10 +186,12 @@ class Int8Linear:
         in_features: int,
         bias: torch.Tensor | None,
         rowwise: tuple[torch.Tensor, torch.Tensor] | None = None,
+        invariant: bool = False,
     ):
         self.packed = packed
         self.out_features = out_features
         self.in_features = in_features
+        self.invariant = invariant and rowwise is not None
         # Kept outside fbgemm, in the serving dtype: the bias stays exact and is counted
         # at the same width as in the dense model.
         self.bias = bias
@@ -175,7 +201,11 @@ class Int8Linear:
 
     @classmethod
     def from_dense(
-        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, rowwise: bool = False
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        rowwise: bool = False,
+        invariant: bool = False,
     ) -> Int8Linear:
         """Quantize a ``[out, in]`` weight symmetrically per output channel and prepack it."""
         check_quantization("int8", weight.device)
@@ -186,10 +216,12 @@ class Int8Linear:
         if rowwise:
             scales = quantized.q_per_channel_scales().to(torch.float32)
             copy = (quantized.int_repr().contiguous(), scales)
-        return cls(packed, out_features, in_features, bias, copy)
+        return cls(packed, out_features, in_features, bias, copy, invariant)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rowwise is not None and x.shape[0] <= ROWWISE_MAX_ROWS:
+        # (The row-wise kernels take any number of rows; past ROWWISE_MAX_ROWS fbgemm is
+        # faster, and only batch invariance is worth its cost.)
+        if self.rowwise is not None and (self.invariant or x.shape[0] <= ROWWISE_MAX_ROWS):
             y = self._few_rows(x.contiguous())
         elif x.dtype == torch.float32:
             y = torch.ops.quantized.linear_dynamic(x, self.packed, True)
@@ -245,9 +277,12 @@ class Int4Linear:
 
     A weight already on a Q4_1 grid (the embedded GGUF's projections) round-trips exactly:
     its group minimum and maximum are codes 0 and 15.
+
+    With ``invariant`` (``--batch-invariant``) every call takes the integer path, in chunks
+    of ``INT4_INTEGER_MAX_ROWS`` rows, so a row's numbers never depend on its batch.
     """
 
-    __slots__ = ("bias", "in_features", "out_features", "packed", "params")
+    __slots__ = ("bias", "in_features", "invariant", "out_features", "packed", "params")
 
     def __init__(
         self,
@@ -255,7 +290,9 @@ class Int4Linear:
         params: torch.Tensor,
         out_features: int,
         bias: torch.Tensor | None = None,
+        invariant: bool = False,
     ):
+        self.invariant = invariant
         self.packed = packed
         self.params = params
         self.out_features = out_features
@@ -263,16 +300,21 @@ class Int4Linear:
         self.bias = bias  # in the serving dtype, as for Int8Linear
 
     @classmethod
-    def from_dense(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
+    def from_dense(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, invariant: bool = False
+    ) -> Int4Linear:
         """Quantize a ``[out, in]`` weight group-wise (``in`` a multiple of 32)."""
         check_quantization("int4", weight.device, "native" if load_native_ops() else "torch")
         packed, params = quantize_int4(weight)
-        return cls(packed, params, weight.shape[0], bias)
+        return cls(packed, params, weight.shape[0], bias, invariant)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype in NATIVE_ACTIVATION_DTYPES:  # float32 and bf16 go in and come out as they are
-            y = x.new_empty(x.shape[0], self.out_features)
-            torch.ops.kvserve.int4_linear(y, x.contiguous(), self.packed, self.params)
+            chunk = INT4_INTEGER_MAX_ROWS if self.invariant else x.shape[0]
+            y = by_row_chunks(
+                torch.ops.kvserve.int4_linear, x, self.out_features, chunk,
+                self.packed, self.params,
+            )  # fmt: skip
         else:
             y = x.new_empty(x.shape[0], self.out_features, dtype=torch.float32)
             torch.ops.kvserve.int4_linear(y, x.float().contiguous(), self.packed, self.params)
@@ -436,6 +478,25 @@ def f32_rowwise_supported(weight: torch.Tensor) -> bool:
 def rowwise_supported(weight: torch.Tensor) -> bool:
     """Whether a native few-row kernel (bf16 or float32) can serve ``weight``."""
     return bf16_rowwise_supported(weight) or f32_rowwise_supported(weight)
+
+
+def by_row_chunks(
+    kernel: Callable[..., Any],
+    x: torch.Tensor,
+    out_features: int,
+    chunk: int,
+    *operands: torch.Tensor,
+) -> torch.Tensor:
+    """``kernel(out, x, *operands)`` over ``x``'s rows, at most ``chunk`` rows a call.
+
+    The native kernels compute each row on its own, so a row's numbers are the same in
+    any chunk; chunking keeps a kernel within its row limit (or on its integer path)."""
+    x = x.contiguous()
+    y = x.new_empty(x.shape[0], out_features)
+    step = max(chunk, 1)
+    for start in range(0, x.shape[0], step):
+        kernel(y[start : start + step], x[start : start + step], *operands)
+    return y
 
 
 def _tensor_bytes(tensor: torch.Tensor | None) -> int:

@@ -239,6 +239,13 @@ class PagedKVCache:
     def is_quantized(self) -> bool:
         return self.pool.key_scale is not None
 
+    @property
+    def holds_exact_kv(self) -> bool:
+        """Whether the cache holds K/V exactly as the forward computed them (not quantized,
+        not narrower): only then may a fresh chunk attend to its own K/V unread, and still
+        see what a later step reading the cache sees."""
+        return not self.is_quantized and self.pool.key.dtype == self.compute_dtype
+
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K and V blocks, ``[kv_heads, num_blocks, block_size, head_dim]`` each."""
         slot = self.slots[layer]
