@@ -227,10 +227,15 @@ def test_a_float32_moe_token_gets_the_same_output_alone_and_in_a_batch(family: s
     """A float32 MoE's experts and router take the few-row float32 kernel (AVX2 + FMA) up
     to F32_ROWWISE_MAX_ROWS rows, whose sums do not depend on the batch: a token's layer
     output is bit-identical alone and in a step of 16 tokens, on the native op and on the
-    Python loop. Only the experts turn row-wise: the attention projections and the LM head
-    keep torch's GEMM, and so their numbers."""
+    Python loop. The experts take it up to its own limit, as the native op does; the
+    attention projections and the LM head in chunks up to F32_CHUNKED_MAX_ROWS rows."""
     from engine.model.kernels.native import NativeKernels
-    from engine.model.layers.linear import F32_ROWWISE_MAX_ROWS, DenseLinear, linear_layers
+    from engine.model.layers.linear import (
+        F32_CHUNKED_MAX_ROWS,
+        F32_ROWWISE_MAX_ROWS,
+        DenseLinear,
+        linear_layers,
+    )
     from engine.model.layers.quantize import quantize_weights
 
     if not torch.ops.kvserve.f32_linear_supported():
@@ -238,18 +243,20 @@ def test_a_float32_moe_token_gets_the_same_output_alone_and_in_a_batch(family: s
     reference = random_reference(FAMILIES[family][0])
     weights = quantize_weights(model_from_reference(reference).weights, "none", rowwise=True)
     kernels = NativeKernels()
-    assert isinstance(weights.lm_head, DenseLinear) and not weights.lm_head.rowwise
+    assert isinstance(weights.lm_head, DenseLinear) and weights.lm_head.rowwise
+    assert weights.lm_head.chunked_rows == F32_CHUNKED_MAX_ROWS
     torch.manual_seed(4)
     x = torch.randn(F32_ROWWISE_MAX_ROWS, reference.config.hidden_size)
     for layer in weights.layers:
         moe = layer.mlp
         if not isinstance(moe, MoEMLP):
-            assert not any(getattr(linear, "rowwise", False) for linear in linear_layers(layer))
+            assert all(linear.chunked_rows for linear in linear_layers(layer))
             continue
         experts = linear_layers(moe.experts)
         assert experts and all(isinstance(e, DenseLinear) and e.rowwise for e in experts)
+        assert not any(e.chunked_rows for e in experts)
         attention = linear_layers(layer.attention)
-        assert not any(getattr(linear, "rowwise", False) for linear in attention)
+        assert all(linear.chunked_rows == F32_CHUNKED_MAX_ROWS for linear in attention)
         assert moe.router(True).rowwise
         batched = moe(x, kernels)
         routed, ids = route(moe.router(True)(x), moe.routing)

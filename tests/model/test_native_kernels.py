@@ -21,6 +21,7 @@ from engine.model.kernels.params import AttentionParams
 from engine.model.kernels.select import select_kernels
 from engine.model.layers.linear import (
     BF16_ROWWISE_MAX_ROWS,
+    F32_CHUNKED_MAX_ROWS,
     F32_ROWWISE_MAX_ROWS,
     ROWWISE_CHANNEL_BYTES,
     ROWWISE_MAX_ROWS,
@@ -534,8 +535,9 @@ def test_bf16_linear_refuses_what_it_cannot_serve(native):
 def test_bf16_model_takes_the_kernel_for_few_rows_only_where_the_cpu_has_it(
     native, tiny_llama_factory
 ):
-    """quantize_weights('none', rowwise) turns the kernel on for a bf16 model exactly when
-    the CPU supports it (float32 is untouched); a layer with it on agrees with F.linear at
+    """quantize_weights('none', rowwise) turns the row-wise kernel on for a bf16 model
+    exactly when the CPU supports it (and for a float32 model where the float32 kernel
+    runs, up to F32_CHUNKED_MAX_ROWS rows); a bf16 layer with it on agrees with F.linear at
     every row count (the kernel up to BF16_ROWWISE_MAX_ROWS rows, torch's GEMM past it)."""
     from engine.model.loader import model_from_reference
 
@@ -548,7 +550,9 @@ def test_bf16_model_takes_the_kernel_for_few_rows_only_where_the_cpu_has_it(
             linear for layer in weights.layers for linear in linear_layers(layer)
         ]
         expected = dtype == torch.bfloat16 and supported
-        assert {isinstance(x, DenseLinear) and x.rowwise for x in linears} == {expected}
+        f32 = dtype == torch.float32 and bool(torch.ops.kvserve.f32_linear_supported())
+        assert {isinstance(x, DenseLinear) and x.rowwise for x in linears} == {expected or f32}
+        assert {x.chunked_rows for x in linears} == {F32_CHUNKED_MAX_ROWS if f32 else 0}
         assert bf16_rowwise_supported(weights.embed) == expected
         assert weights.lm_head_tied == model_from_reference(reference).weights.lm_head_tied
     layer = DenseLinear(torch.randn(40, 64).to(torch.bfloat16), rowwise=supported)

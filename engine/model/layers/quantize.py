@@ -13,6 +13,7 @@ from typing import Any
 
 from engine.model.layers.decoder import ModelWeights
 from engine.model.layers.linear import (
+    F32_CHUNKED_MAX_ROWS,
     DenseLinear,
     Int4Linear,
     Int8Linear,
@@ -54,7 +55,7 @@ def quantize_weights(
         if not rowwise:
             return weights
         if f32_rowwise_supported(weights.embed):
-            return _with_f32_rowwise_experts(weights)
+            return _with_f32_rowwise(weights)
         return _with_bf16_rowwise(weights)
 
     def convert(linear: Linear) -> Linear:
@@ -129,13 +130,19 @@ def _rowwise(linear: Linear) -> Linear:
     return linear
 
 
-def _with_f32_rowwise_experts(weights: ModelWeights) -> ModelWeights:
-    """A float32 model with its MoE experts' projections on the few-row float32 kernel.
+def _with_f32_rowwise(weights: ModelWeights) -> ModelWeights:
+    """A float32 model on the few-row float32 kernel: its dense projections and LM head up
+    to ``F32_CHUNKED_MAX_ROWS`` rows (decode steps; prefill chunks keep ATen's GEMM), its
+    MoE experts up to the kernel's own limit, as the native MoE op runs them. (The router
+    takes the kernel in layers/moe.py.)"""
+    layers = _map_moe_experts(map_linears(weights.layers, _chunked_f32))
+    return dataclasses.replace(weights, layers=layers, lm_head=_chunked_f32(weights.lm_head))
 
-    Only the experts: a decode step hands each a few rows, where ATen's GEMM is slow, while
-    a dense projection gets the whole batch, where ATen's GEMM is fine; the dense layers
-    keep exactly the numbers they had. (The router takes the kernel in layers/moe.py.)"""
-    return dataclasses.replace(weights, layers=_map_moe_experts(weights.layers))
+
+def _chunked_f32(linear: Linear) -> Linear:
+    if isinstance(linear, DenseLinear) and linear.weight.is_contiguous():
+        return DenseLinear(linear.weight, linear.bias, True, chunked_rows=F32_CHUNKED_MAX_ROWS)
+    return linear
 
 
 def _map_moe_experts(weights: Any) -> Any:
