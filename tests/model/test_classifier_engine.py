@@ -31,17 +31,8 @@ PAIRS = {
     "long": [1, *range(100, 112), 2, *range(150, 190)],
     "again": [1, 17, 40, 9, 2, 60, 61, 62],  # shares "short"'s query
 }
-SIZES: dict[str, Any] = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
-    # No LM head in the checkpoint: generation reads the embedding, as kvserve does.
-    "tie_word_embeddings": True,
-}
+# No LM head in the checkpoint: generation reads the embedding, as kvserve does.
+SIZES: dict[str, Any] = family_models.base(tie_word_embeddings=True)
 
 
 def llama_classifier(num_labels: int) -> Any:
