@@ -148,7 +148,8 @@ def main() -> None:
         for kernels, invariant in itertools.product(
             args.kernels.split(","), args.batch_invariant.split(",")
         ):
-            label = _label(quantization, kernels) + (" invariant" if invariant == "on" else "")
+            label = _label(quantization, kernels, args.dtype)
+            label += " invariant" if invariant == "on" else ""
             engines[label] = build_engine(
                 EngineArgs(
                     dtype=args.dtype,
@@ -199,8 +200,10 @@ def main() -> None:
         print(row)
 
 
-def _label(quantization: str, kernels: str) -> str:
-    weights = "fp32" if quantization == "none" else quantization
+def _label(quantization: str, kernels: str, dtype: str) -> str:
+    """The engine's row name: its weight format (the dtype's, unquantized) and kernels."""
+    weights = {"float32": "fp32", "bfloat16": "bf16"}.get(dtype, dtype)
+    weights = weights if quantization == "none" else quantization
     return f"kvserve {weights} {kernels}"
 
 
