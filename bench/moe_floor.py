@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 
@@ -27,68 +28,75 @@ from bench.bench_engine import make_prompts, run_kvserve
 from bench.bench_kernels import read_bandwidth
 from engine.builder import build_engine
 from engine.config import EngineArgs
+from engine.core import EngineCore
 from engine.model.layers.linear import parameter_bytes
 from engine.model.layers.mlp import GatedMLP
 from engine.model.layers.moe import MoEMLP
 from engine.model.layers.routing import route
 
-
-class MlpTimer:
-    """Wraps GatedMLP.__call__ for one run: seconds spent in calls of ``rows`` rows."""
-
-    def __init__(self, rows: int) -> None:
-        self.rows, self.seconds, self._call = rows, 0.0, GatedMLP.__call__
-
-    def __enter__(self) -> MlpTimer:
-        timer, call = self, self._call
-
-        def timed(mlp: GatedMLP, x: torch.Tensor, kernels: object) -> torch.Tensor:
-            start = time.perf_counter()
-            y = call(mlp, x, kernels)  # type: ignore[arg-type]
-            if x.shape[0] == timer.rows:
-                timer.seconds += time.perf_counter() - start
-            return y
-
-        GatedMLP.__call__ = timed  # type: ignore[method-assign]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        GatedMLP.__call__ = self._call  # type: ignore[method-assign]
+WARMUP_TOKENS = 8
 
 
-class ExpertCounter:
-    """Wraps MoEMLP.__call__ for one run: bytes of the experts each ``rows``-row call routes to."""
+class PerLayer:
+    """A quantity summed over the calls of a step's size, as a per-step figure: the mean
+    per call times the number of distinct layers called (steps that mix prefill rows in
+    are not counted)."""
 
-    def __init__(self, rows: int) -> None:
-        self.rows, self.bytes, self.calls, self._call = rows, 0, 0, MoEMLP.__call__
+    def __init__(self) -> None:
+        self.total, self.calls, self.layers = 0.0, 0, set[int]()
 
-    def __enter__(self) -> ExpertCounter:
-        counter, call = self, self._call
+    def add(self, layer: object, value: float) -> None:
+        self.total, self.calls = self.total + value, self.calls + 1
+        self.layers.add(id(layer))
 
-        def counted(mlp: MoEMLP, x: torch.Tensor, kernels: object) -> torch.Tensor:
-            if x.shape[0] == counter.rows:
-                _, ids = route(mlp.router(True)(x), mlp.routing)
-                chosen = torch.unique(ids).tolist()
-                counter.bytes += parameter_bytes([mlp.experts[e] for e in chosen], decode=True)
-                counter.calls += 1
-            return call(mlp, x, kernels)  # type: ignore[arg-type]
-
-        MoEMLP.__call__ = counted  # type: ignore[method-assign]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        MoEMLP.__call__ = self._call  # type: ignore[method-assign]
+    def per_step(self) -> float:
+        return self.total / max(1, self.calls) * len(self.layers)
 
 
-def step_seconds(model: Path, args: argparse.Namespace) -> tuple[float, object]:
+def build(model: Path, args: argparse.Namespace) -> EngineCore:
     engine_args = EngineArgs(
         model=str(model), dtype=args.dtype, quantization=args.quantization,
         num_kv_blocks=2048, max_model_len=1024,
     )  # fmt: skip
-    core = build_engine(engine_args).core
+    return build_engine(engine_args).core
+
+
+def step_seconds(core: EngineCore, args: argparse.Namespace) -> float:
+    """Seconds per decode step at ``args.batch`` sequences, after a short warm-up."""
     prompts = make_prompts(args.batch, args.prompt_len, args.vocab)
-    run_kvserve(core, prompts, 8)  # warm-up
-    return run_kvserve(core, prompts, args.output_len).decode_s / (args.output_len - 1), core
+    run_kvserve(core, prompts, WARMUP_TOKENS)
+    return run_kvserve(core, prompts, args.output_len).decode_s / (args.output_len - 1)
+
+
+def dense_step(core: EngineCore, args: argparse.Namespace) -> tuple[float, float]:
+    """The dense twin's seconds per decode step, and how many of them its MLPs take."""
+    mlps, call = PerLayer(), GatedMLP.__call__
+
+    def timed(mlp: GatedMLP, x: torch.Tensor, kernels: object) -> torch.Tensor:
+        start = time.perf_counter()
+        y = call(mlp, x, kernels)  # type: ignore[arg-type]
+        if x.shape[0] == args.batch:
+            mlps.add(mlp, time.perf_counter() - start)
+        return y
+
+    with patch.object(GatedMLP, "__call__", timed):
+        return step_seconds(core, args), mlps.per_step()
+
+
+def touched_expert_bytes(core: EngineCore, args: argparse.Namespace) -> float:
+    """Bytes of the experts a decode step's routers pick, all MoE layers together."""
+    experts, call = PerLayer(), MoEMLP.__call__
+
+    def counted(mlp: MoEMLP, x: torch.Tensor, kernels: object) -> torch.Tensor:
+        if x.shape[0] == args.batch:
+            _, ids = route(mlp.router(True)(x), mlp.routing)
+            chosen = [mlp.experts[e] for e in torch.unique(ids).tolist()]
+            experts.add(mlp, parameter_bytes(chosen, decode=True))
+        return call(mlp, x, kernels)  # type: ignore[arg-type]
+
+    with patch.object(MoEMLP, "__call__", counted):
+        run_kvserve(core, make_prompts(args.batch, args.prompt_len, args.vocab), args.output_len)
+    return experts.per_step()
 
 
 def main() -> None:
@@ -102,15 +110,10 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=49152)
     args = parser.parse_args()
-    steps = args.output_len - 1
-    with MlpTimer(args.batch) as mlp:
-        dense_s, _ = step_seconds(args.model_dir / f"dense-{args.name}", args)
-    dense_mlp_s = mlp.seconds / (steps + 7)  # the warm-up's 7 decode steps are timed too
-    moe_s, _ = step_seconds(args.model_dir / f"moe-{args.name}", args)
-    with ExpertCounter(args.batch) as experts:
-        step_seconds(args.model_dir / f"moe-{args.name}", args)
-    layers_per_step = experts.calls / (steps + 7)  # warm-up and timed decode steps
-    touched = experts.bytes / max(1, experts.calls) * layers_per_step
+    dense_s, dense_mlp_s = dense_step(build(args.model_dir / f"dense-{args.name}", args), args)
+    moe = build(args.model_dir / f"moe-{args.name}", args)
+    moe_s = step_seconds(moe, args)
+    touched = touched_expert_bytes(moe, args)  # after the timing: routing again costs time
     bandwidth = read_bandwidth(9)
     floor_s = dense_s - dense_mlp_s + touched / bandwidth
     print(f"batch {args.batch}, {args.dtype}, weights {args.quantization}")
