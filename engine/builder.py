@@ -18,7 +18,13 @@ from typing import Any
 
 import torch
 
-from engine.config import DEFAULT_MAX_STEP_TIME_MS, CacheConfig, EngineArgs, SchedulerConfig
+from engine.config import (
+    DEFAULT_MAX_STEP_TIME_MS,
+    CacheConfig,
+    EngineArgs,
+    LoRAConfig,
+    SchedulerConfig,
+)
 from engine.core import EngineCore
 
 # Imported by name so resolve_dtype reads this module's global (tests patch it here).
@@ -30,6 +36,9 @@ from engine.kv.disk_store import DiskFingerprint, DiskStore
 from engine.kv.event_publisher import ZmqEventPublisher
 from engine.kv.events import KVEventRecorder
 from engine.kv.tiers import TieredPrefixCache
+from engine.lora.adapter import LoRAError
+from engine.lora.catalog import LoRACatalog
+from engine.lora.runtime import LoRARuntime, attach_lora
 from engine.model.kernels.select import select_kernels
 from engine.model.layers.decoder import DecoderModel
 from engine.model.layers.linear import check_quantization
@@ -78,6 +87,8 @@ class BuiltEngine:
     # The classifier head's logits (a *ForSequenceClassification cross-encoder); 0 for a
     # causal LM.
     num_labels: int = 0
+    # The adapters served by name (--enable-lora; engine/lora/catalog.py); None when off.
+    lora_catalog: LoRACatalog | None = None
 
 
 def find_embedded_model() -> Path:
@@ -142,6 +153,9 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         model.weights, args.quantization, rowwise, kernels.name, args.batch_invariant
     )
     model = model.replace(weights=quantized, kernels=kernels)
+    lora = attach_lora(model, args.lora) if args.lora is not None else None
+    if lora is not None:
+        model = lora[0]
     max_model_len = _max_model_len(args, model.spec.context_limit)
     kv_dtype = accounting.resolve_kv_dtype(args.kv_cache_dtype, dtype_name(dtype), args.dtype)
     kv_shape = model.spec.kv_shape(kv_dtype, hybrid=not args.disable_hybrid_kv_cache_manager)
@@ -166,7 +180,8 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     tiers = accounting.plan_tiers(
         kv_shape, args.block_size, *_tier_bytes(args) if args.enable_prefix_caching else (0, 0)
     )
-    core = _wire(args, model, kv_shape, plan, device, max_model_len, eos_ids, grammars)
+    runtime = lora[1] if lora is not None else None
+    core = _wire(args, model, kv_shape, plan, device, max_model_len, eos_ids, grammars, runtime)
     _attach_tiers(core, args, tiers, source.name, dtype_name(dtype), kv_shape)
     _attach_kv_events(core, args, kv_shape)
     _log_startup(source, model, args.quantization, kv_shape, plan)
@@ -187,6 +202,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         pooling=read_model_pooling(source.directory if source.gguf_file is None else None),
         hidden_size=model.spec.hidden_size,
         num_labels=model.spec.num_labels,
+        lora_catalog=_lora_catalog(args.lora, runtime),
     )
 
 
@@ -336,6 +352,7 @@ def _wire(
     max_model_len: int,
     eos_ids: tuple[int, ...],
     grammars: GrammarCompiler | None = None,
+    lora: LoRARuntime | None = None,
 ) -> EngineCore:
     host_blocks = int(args.swap_space_gib * accounting.GIB) // plan.bytes_per_block
     device_pool = KVPool(KVPoolLayout(kv_shape, plan.num_blocks, args.block_size), device)
@@ -345,7 +362,13 @@ def _wire(
         host_pool = KVPool(host_layout, torch.device("cpu"), pin_memory=device.type == "cuda")
     graphed = device.type == "cuda" and uses_decode_graphs(model)
     runner = (CudaModelRunner if graphed else ModelRunner)(
-        model, device_pool, host_pool, eos_token_ids=eos_ids, seed=args.seed, grammars=grammars
+        model,
+        device_pool,
+        host_pool,
+        eos_token_ids=eos_ids,
+        seed=args.seed,
+        grammars=grammars,
+        lora=lora,
     )
     if isinstance(runner, CudaModelRunner):  # captured against the real pool, now it exists
         runner.start_decode_graphs(args.max_num_seqs, max_model_len, eager=args.enforce_eager)
@@ -367,8 +390,31 @@ def _wire(
         max_step_time_s=_max_step_time_s(args, device),
         max_step_time_ratio=args.max_step_time_ratio,
         speculative=args.speculative_config,
+        max_loras=args.lora.max_loras if args.lora is not None else 0,
     )
     return EngineCore(Scheduler(scheduler_config, cache_config, kv_shape), runner)
+
+
+def _lora_catalog(config: LoRAConfig | None, runtime: LoRARuntime | None) -> LoRACatalog | None:
+    """The catalog of a LoRA-enabled engine with the ``--lora-modules`` loaded; a module
+    that cannot be served stops the start (ValueError naming it)."""
+    if config is None or runtime is None:
+        return None
+    catalog = LoRACatalog(runtime.targets, runtime.dtype)
+    for name, path in config.modules:
+        try:
+            catalog.load(name, path)
+        except LoRAError as exc:
+            raise ValueError(f"--lora-modules {name}={path}: {exc}") from exc
+    logger.info(
+        "LoRA: %d slots of rank %d (%s), host cache of %d adapters; serving %s",
+        config.max_loras,
+        config.max_lora_rank,
+        accounting.format_bytes(config.max_loras * runtime.slot_bytes),
+        config.host_capacity,
+        ", ".join(name for name, _ in config.modules) or "none yet",
+    )
+    return catalog
 
 
 def _max_step_time_s(args: EngineArgs, device: torch.device) -> float:

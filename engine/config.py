@@ -157,6 +157,40 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served beside the base model (engine/lora/; vLLM's flag names).
+
+    ``max_loras`` adapters fit in one step (each has a slot in the projections' stacked
+    adapter weights); ``max_cpu_loras`` stay loaded in host memory (LRU), a slot is
+    filled from there; every adapter's rank is at most ``max_lora_rank`` (the slots are
+    that wide). ``modules`` are the ``(name, path)`` adapters served from the start.
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+    modules: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be >= 1")
+        if self.max_lora_rank < 1:
+            raise ValueError("max_lora_rank must be >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+        names = [name for name, _ in self.modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"LoRA module names must be unique; got {names}")
+
+    @property
+    def host_capacity(self) -> int:
+        """Adapters kept loaded in host memory."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     """Per-step budgets and the admission/preemption policies."""
 
@@ -185,6 +219,8 @@ class SchedulerConfig:
     min_prefill_tokens: int = 32
     # Speculative decoding (None = off).
     speculative: SpeculativeConfig | None = None
+    # Distinct LoRA adapters among the running requests (0: LoRA off, no bound).
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
@@ -259,3 +295,5 @@ class EngineArgs:
     # KV cache events for prefix-aware routers (engine/kv/event_publisher.py's
     # KVEventsConfig, the CLI's --kv-events-config JSON); None = off.
     kv_events_config: KVEventsConfig | None = None
+    # LoRA adapters (engine/lora/; --enable-lora and its flags); None = off.
+    lora: LoRAConfig | None = None

@@ -94,7 +94,10 @@ class CudaModelRunner(ModelRunner):
 
 def _plain_decodes(batch: list[ScheduledRequest]) -> bool:
     return all(
-        r.num_new_tokens == 1 and r.num_computed_tokens > 0 and not r.num_draft_tokens
+        r.num_new_tokens == 1
+        and r.num_computed_tokens > 0
+        and not r.num_draft_tokens
+        and r.lora is None  # the graphs hold no adapter rows: a LoRA step runs eagerly
         for r in batch
     )
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 # TokenLogprob and PromptLogprobChunk live in engine.logprobs (a leaf, so engine.request
 # can name them too) and stay importable from here.
 from engine.logprobs import PromptLogprobChunk, TokenLogprob
-from engine.request import FinishReason, SamplingParams
+from engine.request import FinishReason, LoRARequest, SamplingParams
 
 # A block-table entry that holds no block: a sliding-window group's blocks wholly before
 # its window (released). Kernels never read a block before a layer's window.
@@ -32,6 +32,9 @@ class ScheduledRequest:
     the prompt or is a decode step). ``output_token_ids`` and ``prompt_token_ids`` are
     references for penalties; the runner must not mutate them.
 
+    ``lora`` names the LoRA adapter the request's rows run with (None: the base); a step
+    holds at most ``LoRAConfig.max_loras`` distinct adapters.
+
     A speculative decode ends ``token_ids`` with ``num_draft_tokens`` proposed tokens
     (engine/speculative/): the runner scores every position, keeps the drafts the model
     agrees with and samples one token after them (``RunnerOutput.spec_token_ids``).
@@ -47,6 +50,7 @@ class ScheduledRequest:
     output_token_ids: list[int]
     seed: int | None = None
     num_draft_tokens: int = 0
+    lora: LoRARequest | None = None  # the adapter every row of this request runs with
 
     @property
     def block_ids(self) -> list[int]:
@@ -283,6 +287,10 @@ class EngineStats:
     # Per KV group, for a hybrid model (more than one group, or a sliding one); empty
     # otherwise (the pool totals above are the one group's).
     groups: tuple[GroupStats, ...] = ()
+    # LoRA (the Gateway API Inference Extension's ``lora_requests_info``): the adapters
+    # of the running requests and of the queued ones, by name, sorted; empty when off.
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @property
     def usage_ratio(self) -> float:

@@ -207,13 +207,28 @@ class SamplingParams:
         )
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """The LoRA adapter a request runs with (engine/lora/): ``name`` is what clients put in
+    ``model``; ``id`` is unique for the life of the server (never reused after an unload,
+    so the runner's adapter caches cannot confuse two loads of one name); ``fingerprint``
+    digests the adapter's weights and keys its prefix-cache blocks, so no adapter ever
+    reuses another's KV (two loads of the same files share theirs)."""
+
+    name: str
+    id: int
+    path: str
+    fingerprint: str
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence being generated. For ``n > 1`` a client request becomes ``n`` of these
     sharing a ``group_id``; choice ``index`` 0 is the parent, the rest are forked from it.
 
     ``eos_token_ids`` come from the tokenizer; ``cache_salt`` isolates prefix-cache
-    sharing between tenants (it is mixed into the first block's hash).
+    sharing between tenants (it is mixed into the first block's hash), and so does the
+    LoRA adapter ``lora`` the request runs with (None: the base model).
     """
 
     request_id: str
@@ -225,6 +240,7 @@ class Request:
     priority: int = 0  # lower value = more important (as vLLM)
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
+    lora: LoRARequest | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -249,6 +265,14 @@ class Request:
         # all_token_ids grows in place; prompt and output views are kept in sync by
         # append_output_token() so hot paths never concatenate lists.
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def prefix_key(self) -> str | None:
+        """The extra key of the first block's hash: the cache salt and the adapter."""
+        if self.lora is None:
+            return self.cache_salt
+        adapter = f"lora:{self.lora.fingerprint}"
+        return adapter if self.cache_salt is None else f"{self.cache_salt}\x00{adapter}"
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -25,6 +25,7 @@ from engine.sampler import Sampler, SamplingRow
 from engine.speculative.verify import Verified, verify
 
 if TYPE_CHECKING:
+    from engine.lora.runtime import LoRARuntime
     from engine.structured import GrammarCompiler, GrammarDecoding
 
 
@@ -39,6 +40,7 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...] = (),
         seed: int = 0,
         grammars: GrammarCompiler | None = None,
+        lora: LoRARuntime | None = None,
     ):
         self.model = model
         self.device_pool = device_pool
@@ -50,6 +52,7 @@ class ModelRunner:
         self.staging = CopyStaging(device_pool.layout, device_pool.key.device)
         self.sampler = Sampler(eos_token_ids=eos_token_ids, seed=seed)
         self.grammar = _grammar_decoding(grammars)
+        self.lora = lora  # fills the model's adapter slots for each step (engine/lora/)
 
     @property
     def block_size(self) -> int:
@@ -69,7 +72,7 @@ class ModelRunner:
         if not out.scheduled:
             return RunnerOutput()
         batch = _decodes_first(out.scheduled)
-        hidden = self._hidden(batch)
+        hidden = self._forward(batch)
         plain = [r for r in batch if r.sample and not r.num_draft_tokens]
         verifying = [r for r in batch if r.num_draft_tokens]
         logits = self._sample_logits(batch, hidden)
@@ -91,6 +94,16 @@ class ModelRunner:
             copy_blocks(self.device_pool, self.host_pool, out.swap_out, self.staging)
             copy_blocks(self.host_pool, self.device_pool, out.swap_in, self.staging)
         copy_blocks(self.device_pool, self.device_pool, out.copies, self.staging)
+
+    def _forward(self, batch: list[ScheduledRequest]) -> torch.Tensor:
+        """``_hidden`` with each row's LoRA adapter in place for the forward."""
+        if self.lora is None:
+            return self._hidden(batch)
+        self.lora.prepare(batch, self.model.device)
+        try:
+            return self._hidden(batch)
+        finally:
+            self.lora.finish()
 
     def _hidden(self, batch: list[ScheduledRequest]) -> torch.Tensor:
         """Final hidden states ``[batch tokens, hidden]`` of the new tokens, in batch order."""

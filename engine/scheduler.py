@@ -33,6 +33,9 @@ all over one ``SchedulerState``, and the KV manager is reached through its metho
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
+
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv.accounting import KVShape, blocks_for_tokens
 from engine.kv.budget import check_can_ever_run
@@ -287,8 +290,17 @@ class Scheduler(SchedulerState):
             live_tokens=sum(r.num_computed_tokens for r in self.running),
             loading=len(self.loading),
             retained_tokens=self._retained_tokens(),
+            **self._lora_names(),
         )
         return snapshot(self.kv, self.kv_shape, self.counters, queues)
+
+    def _lora_names(self) -> dict[str, tuple[str, ...]]:
+        """The adapters running (loading included) and queued (swapped included), by name."""
+        if not self.config.max_loras:
+            return {}
+        running = itertools.chain(self.running, self.loading)
+        queued = itertools.chain(self.waiting, self.swapped)
+        return {"running_loras": _adapter_names(running), "waiting_loras": _adapter_names(queued)}
 
     def _retained_tokens(self) -> tuple[int, ...]:
         """Per KV group, the running requests' tokens its attention still reads (a sliding
@@ -300,3 +312,7 @@ class Scheduler(SchedulerState):
             if window is not None and window not in by_window:
                 by_window[window] = sum(min(tokens, window) for tokens in computed)
         return tuple(by_window[group.window] for group in self.kv.groups)
+
+
+def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))

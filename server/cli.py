@@ -27,7 +27,7 @@ from engine.config import (
     SpeculativeConfig,
 )
 from engine.request import POOLING_KINDS
-from server.cli_flags import add_tier_flags
+from server.cli_flags import add_lora_flags, add_tier_flags, lora_config_from
 from server.cli_frontend import add_frontend_arguments, frontend_settings
 from server.reasoning import REASONING_PARSERS
 from server.settings import (
@@ -190,6 +190,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         '"prompt_lookup_min": 2, "disable_by_batch_size": 8}\' (those are the defaults of '
         "omitted keys; off when not given)",
     )
+    add_lora_flags(p)
     http = p.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on")
     http.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -330,6 +331,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         speculative_config=args.speculative_config,
         kv_events_config=args.kv_events_config,
         seed=args.seed,
+        lora=lora_config_from(args),
     )
 
 

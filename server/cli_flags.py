@@ -8,6 +8,9 @@ module imports the other's. Torch-free: ``kvserve plan`` imports it.
 from __future__ import annotations
 
 import argparse
+import json
+
+from engine.config import LoRAConfig
 
 
 def add_tier_flags(group: argparse._ArgumentGroup) -> None:
@@ -25,4 +28,67 @@ def add_tier_flags(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--kv-cache-disk-size", type=float, default=4.0, help="disk tier bound, GiB (LRU)"
+    )
+
+
+def add_lora_flags(parser: argparse.ArgumentParser) -> None:
+    """LoRA adapters (engine/lora/; vLLM's flag names); shared with ``plan``."""
+    group = parser.add_argument_group("LoRA adapters")
+    group.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters beside the base model: a request names one in 'model'",
+    )
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="PEFT adapter directories served from the start, as name=path or vLLM's JSON "
+        '\'{"name": "mine", "path": "/adapters/mine"}\' (needs --enable-lora)',
+    )
+    group.add_argument(
+        "--max-loras", type=int, default=1, help="distinct adapters in one step (their slots)"
+    )
+    group.add_argument(
+        "--max-lora-rank", type=int, default=16, help="the highest adapter rank served"
+    )
+    group.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters kept loaded in host memory, LRU (default: --max-loras)",
+    )
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """One ``--lora-modules`` value: ``name=path`` or ``{"name": ..., "path": ...}``."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+            name, path = spec["name"], spec["path"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise argparse.ArgumentTypeError(
+                f'--lora-modules JSON must be {{"name": ..., "path": ...}}: {exc}'
+            ) from exc
+        return str(name), str(path)
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules takes name=path, got {text!r}")
+    return name, path
+
+
+def lora_config_from(args: argparse.Namespace) -> LoRAConfig | None:
+    """The LoRA config of ``--enable-lora`` and its flags (None when off); ValueError when
+    adapters are named without it or a bound is invalid."""
+    if not args.enable_lora:
+        if args.lora_modules:
+            raise ValueError("--lora-modules needs --enable-lora")
+        return None
+    return LoRAConfig(
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        modules=tuple(args.lora_modules),
     )

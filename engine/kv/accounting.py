@@ -23,6 +23,7 @@ Pure Python: no torch, no model config objects, just numbers.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.kv.groups import KVGroup, check_partition, page_layers
@@ -405,3 +406,18 @@ def plan_tiers(
         blocks = disk_tier_blocks(shape, block_size, disk_tier_bytes)
         tiers.append(TierCapacity("disk", blocks, block_size, disk_tier_bytes))
     return tuple(tiers)
+
+
+# -- LoRA adapters ------------------------------------------------------------------------------
+
+
+def lora_slot_bytes(
+    num_layers: int, projections: Iterable[tuple[int, int, int]], max_rank: int, dtype_bytes: int
+) -> int:
+    """Bytes one LoRA adapter slot takes in every layer (engine/model/layers/lora.py): per
+    projection ``(in_features, out_features, parts)``, A ``[parts * max_rank, in]`` and B
+    ``[parts * max_rank, out]``, zero-padded to ``max_rank`` whatever the adapter's rank.
+    The engine holds ``max_loras`` slots beside the weights, and the host cache up to
+    ``max_cpu_loras`` adapters in the same layout."""
+    per_layer = sum(parts * max_rank * (fan_in + fan_out) for fan_in, fan_out, parts in projections)
+    return num_layers * per_layer * dtype_bytes

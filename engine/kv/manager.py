@@ -239,7 +239,7 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(request.request_id, [])
         if len(hashes) < num_blocks:
             extend_block_hashes(
-                hashes, request.all_token_ids, num_blocks, self.block_size, request.cache_salt
+                hashes, request.all_token_ids, num_blocks, self.block_size, request.prefix_key
             )
         return hashes
 

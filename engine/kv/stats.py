@@ -44,6 +44,9 @@ class QueueSizes:
     loading: int = 0
     # Per KV group: the running requests' tokens the group's attention still reads.
     retained_tokens: tuple[int, ...] = ()
+    # LoRA adapters (by name) of the running and of the queued requests.
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
 
 def pool_stats(pool: BlockPool) -> PoolStats:
@@ -90,6 +93,8 @@ def snapshot(
         tiers=kv.tiers.stats(shape, kv.block_size) if kv.tiers is not None else (),
         num_loading=queues.loading,
         groups=group_stats(kv, shape, payloads) if shape.is_hybrid else (),
+        running_lora_adapters=queues.running_loras,
+        waiting_lora_adapters=queues.waiting_loras,
     )
 
 

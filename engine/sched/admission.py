@@ -7,6 +7,10 @@ does not fit is passed over by smaller ones behind it, but at most ``max_num_byp
 times: then it holds the line, and nothing behind it is admitted until it fits (running
 requests finish, so its blocks come free). See docs/reference/reliability.md, "Fairness".
 
+With LoRA on (``SchedulerConfig.max_loras``), a request whose adapter would make the
+running and loading requests hold more than ``max_loras`` distinct adapters is passed over
+like one that does not fit: the runner has that many adapter slots for a step.
+
 A waiting request whose prefix a lower tier holds past its device hit is admitted into
 LOADING instead (``start_tier_load``): its blocks are loaded back this step and
 ``finish_loads`` moves it to running once the copies arrived, or requeues it.
@@ -35,12 +39,15 @@ def admit(state: SchedulerState, step: Step) -> None:
     candidates = list(itertools.islice(state.queues.merged(), slots + ADMISSION_LOOKAHEAD))
     passed_over: list[Request] = []
     limit = state.config.max_num_bypasses
+    adapters = AdapterSet.of(state)
     for request in candidates:
         if step.budget <= 0:
             return
         if passed_over and passed_over[-1].num_bypasses >= limit:
             return  # a request passed over too often holds the line
-        if request.status is RequestStatus.SWAPPED:
+        if not adapters.admits(request):
+            admitted: bool | None = False
+        elif request.status is RequestStatus.SWAPPED:
             admitted = try_swap_in(state, step, request)
         else:
             admitted = try_admit(state, step, request)
@@ -51,8 +58,31 @@ def admit(state: SchedulerState, step: Step) -> None:
             passed_over.append(request)
             passed_over.sort(key=lambda r: r.num_bypasses)
             continue
+        adapters.add(request)
         for waiting in passed_over:
             waiting.num_bypasses += 1
+
+
+class AdapterSet:
+    """The distinct LoRA adapters of the running and loading requests, against the bound
+    ``SchedulerConfig.max_loras`` (0: no bound, LoRA off)."""
+
+    def __init__(self, limit: int, ids: set[int]) -> None:
+        self.limit = limit
+        self.ids = ids
+
+    @classmethod
+    def of(cls, state: SchedulerState) -> AdapterSet:
+        live = itertools.chain(state.running, state.loading)
+        return cls(state.config.max_loras, {r.lora.id for r in live if r.lora is not None})
+
+    def admits(self, request: Request) -> bool:
+        lora = request.lora
+        return not self.limit or lora is None or lora.id in self.ids or len(self.ids) < self.limit
+
+    def add(self, request: Request) -> None:
+        if request.lora is not None:
+            self.ids.add(request.lora.id)
 
 
 def try_swap_in(state: SchedulerState, step: Step, request: Request) -> bool | None:

@@ -72,6 +72,7 @@ class Step:
             output_token_ids=request.output_token_ids,
             seed=request.seed,
             num_draft_tokens=len(drafts) if drafts else 0,
+            lora=request.lora,
         )
         self.charge(len(token_ids), len(drafts) if drafts else 0)
 

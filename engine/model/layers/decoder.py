@@ -26,6 +26,7 @@ from engine.model.kernels.metadata import AttentionMetadata
 from engine.model.kernels.params import AttentionParams
 from engine.model.layers.attention import AttentionLayer, AttentionWeights
 from engine.model.layers.linear import DenseLinear, Linear, parameter_bytes
+from engine.model.layers.lora import LoRABatch, unwrap
 from engine.model.layers.mlp import MLP, SILU, GatedMLP
 from engine.model.layers.moe import MoEMLP
 from engine.model.layers.rotary import RotaryEmbedding
@@ -115,6 +116,7 @@ class DecoderModel:
         ropes: Mapping[str, RotaryEmbedding],
         kernels: Kernels | None = None,
         options: DecoderOptions | None = None,
+        lora_batch: LoRABatch | None = None,
     ):
         self.spec = spec
         self.weights = weights
@@ -125,6 +127,8 @@ class DecoderModel:
             AttentionLayer(index, self._params(index), self.ropes[layer.rope], self.options.qk_norm)
             for index, layer in enumerate(spec.layers)
         )
+        # The rows' LoRA adapters (layers/lora.py) when the projections carry slots.
+        self.lora_batch = lora_batch
         native = self.kernels.name == "native"
         self.fast_decode = fast_decode_path(self) if native else None
 
@@ -139,11 +143,20 @@ class DecoderModel:
         )
 
     def replace(
-        self, weights: ModelWeights | None = None, kernels: Kernels | None = None
+        self,
+        weights: ModelWeights | None = None,
+        kernels: Kernels | None = None,
+        lora_batch: LoRABatch | None = None,
     ) -> DecoderModel:
-        """The same model with other weights (e.g. quantized) or another kernel backend."""
+        """The same model with other weights (e.g. quantized or with LoRA slots) or another
+        kernel backend."""
         return DecoderModel(
-            self.spec, weights or self.weights, self.ropes, kernels or self.kernels, self.options
+            self.spec,
+            weights or self.weights,
+            self.ropes,
+            kernels or self.kernels,
+            self.options,
+            lora_batch or self.lora_batch,
         )
 
     @property
@@ -169,7 +182,8 @@ class DecoderModel:
         if self.options.embedding_scale is not None:
             residual.mul_(self.options.embedding_scale)
         fast = self.fast_decode
-        if fast is not None and fast.serves(meta, cache):
+        lora = self.lora_batch
+        if fast is not None and (lora is None or not lora.active) and fast.serves(meta, cache):
             rope = self.attention[0].rope
             scale = self.attention[0].params.scale
             return fast.run(residual, meta, cache, self.spec, (rope.cos, rope.sin), scale)
@@ -271,4 +285,7 @@ def _plain_layer(layer: LayerWeights, dtype: torch.dtype) -> PlainLayer | None:
         or any(norm.dtype != dtype for norm in norms if norm is not None)
     ):
         return None
-    return PlainLayer(norms[0], norms[1], attention.qkv, attention.o_proj, mlp.gate_up, mlp.down)
+    # With LoRA slots, the path runs the base projections: the decoder takes it only in a
+    # step without adapter rows.
+    projections = (attention.qkv, attention.o_proj, mlp.gate_up, mlp.down)
+    return PlainLayer(norms[0], norms[1], *(unwrap(linear) for linear in projections))
