@@ -130,9 +130,9 @@ def attach_lora(model: DecoderModel, config: LoRAConfig) -> tuple[DecoderModel, 
         assert projection is not None
         width = targets.width(name)
         rows = config.max_loras * width
-        options = {"dtype": model.dtype, "device": model.device}
-        a = torch.zeros(rows, projection.in_features, **options)
-        bt = torch.zeros(rows, projection.out_features, **options)
+        dtype, device = model.dtype, model.device
+        a = torch.zeros(rows, projection.in_features, dtype=dtype, device=device)
+        bt = torch.zeros(rows, projection.out_features, dtype=dtype, device=device)
         layer = wrapped[(index, name)] = LoRALinear(base, a, bt, width, batch)
         return layer
 

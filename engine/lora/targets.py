@@ -10,9 +10,12 @@ adapter there covers the whole projection, as one part.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.kv.accounting import lora_slot_bytes
-from engine.model.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from engine.model.spec import ModelSpec
 
 QKV = "qkv"
 O_PROJ = "o_proj"
@@ -64,15 +67,26 @@ class LoRATargets:
     @classmethod
     def of(cls, spec: ModelSpec, max_rank: int, dense_mlp: bool = True) -> LoRATargets:
         """A decoder's projections; the MLP's only when it is dense (not experts)."""
-        hidden, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
-        projections = [(QKV, Projection(hidden, (q, kv, kv))), (O_PROJ, Projection(q, (hidden,)))]
-        if dense_mlp:
-            inter = spec.intermediate_size
+        inter = spec.intermediate_size if dense_mlp else 0
+        return cls.for_decoder(
+            spec.num_layers, spec.hidden_size, spec.q_size, spec.kv_size, inter, max_rank
+        )
+
+    @classmethod
+    def for_decoder(
+        cls, num_layers: int, hidden: int, q_size: int, kv_size: int, inter: int, max_rank: int
+    ) -> LoRATargets:
+        """The same from plain sizes (``kvserve plan``); ``inter`` 0: no dense MLP."""
+        projections = [
+            (QKV, Projection(hidden, (q_size, kv_size, kv_size))),
+            (O_PROJ, Projection(q_size, (hidden,))),
+        ]
+        if inter:
             projections += [
                 (GATE_UP, Projection(hidden, (inter, inter))),
                 (DOWN, Projection(inter, (hidden,))),
             ]
-        return cls(spec.num_layers, tuple(projections), max_rank)
+        return cls(num_layers, tuple(projections), max_rank)
 
     def get(self, name: str) -> Projection | None:
         return dict(self.projections).get(name)
