@@ -58,7 +58,12 @@ def _target_options(group: argparse._ArgumentGroup) -> None:
         help="a replica behind the --url router (repeatable, or a comma list): its /metrics "
         "give the per-replica figures (requests, prefix-cache hit rate, tokens, TTFT)",
     )
-    group.add_argument("--model", default=None, help="model name (unset: the first of /v1/models)")
+    group.add_argument(
+        "--model",
+        default=None,
+        help="model name (unset: the first of /v1/models); a comma list spreads the "
+        "conversations over the names round-robin (LoRA adapters of one base, say)",
+    )
     group.add_argument("--api-key", default=None, help="sent as a Bearer token (unset: no header)")
 
 
@@ -190,7 +195,8 @@ def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
         urls=tuple(urls) if len(urls) > 1 else (),
         routing=args.routing,
         replica_urls=tuple(args.replica_url or ()),
-        model=args.model,
+        model=_model_names(args.model)[0] if args.model else None,
+        models=tuple(_model_names(args.model)) if args.model and "," in args.model else (),
         api_key=args.api_key,
         concurrency=args.concurrency,
         turns=args.turns,
@@ -211,6 +217,10 @@ def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
         seed=args.seed,
         slo=SLO(ttft_s=args.slo_ttft, itl_s=args.slo_itl),
     )
+
+
+def _model_names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

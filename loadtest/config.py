@@ -112,6 +112,9 @@ class LoadTestConfig:
     routing: RoutingMode = "conversation"
     replica_urls: tuple[str, ...] = ()
     model: str | None = None
+    # Several model names (LoRA adapters of one base, say): conversation ``i`` talks to
+    # ``models[i % N]``; empty: every conversation uses ``model``.
+    models: tuple[str, ...] = ()
     api_key: str | None = None
     concurrency: int = 8
     turns: int = 4

@@ -97,6 +97,11 @@ class RunContext:
             system_prompt=self.system_prompt,
         )
 
+    def model_for(self, conversation_id: int) -> str:
+        """The model a conversation talks to: ``config.models`` round-robin, or the one."""
+        models = self.config.models
+        return models[conversation_id % len(models)] if models else self.model
+
     def _request_seed(self, conversation: Conversation) -> int:
         """A sampling seed per (run seed, conversation, turn): sampled runs repeat on
         servers that honour ``seed``."""
@@ -107,7 +112,7 @@ class RunContext:
         """Send the conversation's next turn, stream the reply and append it."""
         messages = conversation.next_user_message()
         request = ChatRequest(
-            model=self.model,
+            model=self.model_for(conversation.conversation_id),
             messages=messages,
             max_tokens=self.config.max_tokens,
             temperature=self.config.temperature,

@@ -123,6 +123,7 @@ def attach_lora(model: DecoderModel, config: LoRAConfig) -> tuple[DecoderModel, 
     dense_mlp = all(isinstance(layer.mlp, GatedMLP) for layer in model.weights.layers)
     targets = LoRATargets.of(model.spec, config.max_lora_rank, dense_mlp)
     batch = LoRABatch()
+    native = model.kernels.name == "native" and model.device.type == "cpu"
     wrapped: dict[tuple[int, str], LoRALinear] = {}
 
     def wrap(index: int, name: str, base: Linear) -> LoRALinear:
@@ -133,7 +134,8 @@ def attach_lora(model: DecoderModel, config: LoRAConfig) -> tuple[DecoderModel, 
         dtype, device = model.dtype, model.device
         a = torch.zeros(rows, projection.in_features, dtype=dtype, device=device)
         bt = torch.zeros(rows, projection.out_features, dtype=dtype, device=device)
-        layer = wrapped[(index, name)] = LoRALinear(base, a, bt, width, batch)
+        layer = LoRALinear(base, a, bt, width, batch, native=native)
+        wrapped[(index, name)] = layer
         return layer
 
     layers = [

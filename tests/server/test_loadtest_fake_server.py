@@ -244,6 +244,19 @@ def test_each_turn_resends_the_whole_history(fake_server: tuple[str, FakeBehavio
         assert all(h[0]["role"] == "system" for h in histories)
 
 
+def test_a_model_list_spreads_conversations_over_the_names(
+    fake_server: tuple[str, FakeBehaviour],
+) -> None:
+    """``--model a,b``: each conversation keeps one name, round-robin (LoRA adapters)."""
+    url, state = fake_server
+    config = LoadTestConfig(url=url, model="a", models=("a", "b"), concurrency=4, turns=2)
+    _run(dataclasses.replace(config, max_tokens=2))
+    models: dict[str, set[str]] = {}
+    for body in state.bodies:
+        models.setdefault(body["messages"][0]["content"], set()).add(body["model"])
+    assert sorted(sorted(names) for names in models.values()) == [["a"], ["a"], ["b"], ["b"]]
+
+
 def test_goodput_counts_requests_within_the_slo(fake_server: tuple[str, FakeBehaviour]) -> None:
     url, _ = fake_server
     base = LoadTestConfig(url=url, concurrency=2, turns=2, max_tokens=4)

@@ -57,6 +57,7 @@ SOURCES = (
     "block_copy.cpp",
     "decode_layers.cpp",
     "moe.cpp",
+    "lora.cpp",
     "register.cpp",
 )
 # Activation and weight dtypes the fused ops take.

@@ -9,12 +9,15 @@ the base returns) and holds ``max_loras`` adapter *slots* stacked in two matrice
 - ``bt`` ``[slots * width, out]``: each slot's B transposed, the scale folded in, each
   part's block placed at its output rows (q/k/v of a fused QKV, gate/up of a fused MLP).
 
-A step whose rows use slots ``0..n-1`` runs two GEMMs per projection over those slots:
-shrink ``x @ a[:n*width].T``, a 0/1 mask that keeps each row's own slot's columns, then
-expand ``+= shrunk @ bt[:n*width]``. No Python loop over requests or adapters, the same
-code on the CPU and CUDA, and a base row's mask is all zero, so its output is the base's
-exactly. ``LoRABatch`` says which slot each row of the forward under way takes; the
-runner sets it before a forward (engine/lora/runtime.py fills the slots).
+With the native CPU kernels one op per projection applies every row's own slot
+(``torch.ops.kvserve.lora_apply``, csrc/lora.cpp): a row reads only its adapter's A and B,
+and rows without one are not touched. Elsewhere (CUDA, the torch kernels) a step whose rows
+use slots ``0..n-1`` runs two GEMMs per projection over those slots: shrink
+``x @ a[:n*width].T``, a 0/1 mask that keeps each row's own slot's columns, then expand
+``+= shrunk @ bt[:n*width]``; a base row's mask is all zero, so its output is the base's
+exactly. Neither loops over requests or adapters in Python. ``LoRABatch`` says which slot
+each row of the forward under way takes; the runner sets it before a forward
+(engine/lora/runtime.py fills the slots).
 """
 
 from __future__ import annotations
@@ -70,10 +73,16 @@ class LoRABatch:
 class LoRALinear:
     """A ``Linear`` plus the LoRA delta of each row's adapter slot (module docstring)."""
 
-    __slots__ = ("a", "base", "batch", "bt", "width")
+    __slots__ = ("a", "base", "batch", "bt", "native", "width")
 
     def __init__(
-        self, base: Linear, a: torch.Tensor, bt: torch.Tensor, width: int, batch: LoRABatch
+        self,
+        base: Linear,
+        a: torch.Tensor,
+        bt: torch.Tensor,
+        width: int,
+        batch: LoRABatch,
+        native: bool = False,
     ):
         assert a.shape[0] == bt.shape[0] and a.shape[0] % width == 0, "a and bt stack slots"
         self.base = base
@@ -81,11 +90,15 @@ class LoRALinear:
         self.bt = bt
         self.width = width  # rows of a and bt per slot
         self.batch = batch
+        self.native = native  # torch.ops.kvserve.lora_apply (CPU tensors, kernels loaded)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         batch = self.batch
         if batch.rows is None:
+            return y
+        if self.native and x.is_contiguous() and y.is_contiguous() and x.dtype == y.dtype:
+            torch.ops.kvserve.lora_apply(y, x, self.a, self.bt, batch.rows, self.width)
             return y
         columns = batch.num_slots * self.width
         shrunk = F.linear(x, self.a[:columns])

@@ -96,4 +96,9 @@ void copy_blocks_serial_(at::Tensor& dst, const at::Tensor& src, at::IntArrayRef
 void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, at::IntArrayRef rows,
                           at::IntArrayRef mask_rows, int64_t vocab_size);
 
+// lora.cpp: y[r] += (x[r] @ a[s].T) @ bt[s] for each row r of adapter slot s = row_slots[r]
+// (-1: untouched); a [slots * width, in], bt [slots * width, out], one dtype throughout.
+void lora_apply(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
+                const at::Tensor& row_slots, int64_t width);
+
 }  // namespace kvserve

@@ -30,6 +30,7 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("int8_linear_vnni(Tensor(a!) out, Tensor x, Tensor weight, Tensor scales) -> ()");
   m.def("bf16_linear(Tensor(a!) out, Tensor x, Tensor weight) -> ()");
   m.def("f32_linear(Tensor(a!) out, Tensor x, Tensor weight) -> ()");
+  m.def("lora_apply(Tensor(a!) y, Tensor x, Tensor a, Tensor bt, Tensor row_slots, int width) -> ()");
   // No tensor argument, so no dispatch key: one implementation for every backend.
   m.def("bf16_linear_supported() -> bool", &kvserve::bf16_linear_supported);
   m.def("f32_linear_supported() -> bool", &kvserve::f32_linear_supported);
@@ -66,6 +67,7 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("int4_linear", &kvserve::int4_linear);
   m.impl("bf16_linear", &kvserve::bf16_linear);
   m.impl("f32_linear", &kvserve::f32_linear);
+  m.impl("lora_apply", &kvserve::lora_apply);
   m.impl("apply_token_bitmask_", &kvserve::apply_token_bitmask_);
   m.impl("copy_blocks_serial_", &kvserve::copy_blocks_serial_);
   m.impl("decode_layers", &kvserve::decode_layers);
