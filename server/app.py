@@ -11,7 +11,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -33,6 +33,7 @@ from server.routes import (
     completions,
     embeddings,
     health,
+    lora,
     messages,
     models,
     render,
@@ -76,6 +77,13 @@ def build_app(ctx: ServingContext) -> FastAPI:
     for module in (*routes, tokenize, health):
         app.include_router(module.router)
     settings = ctx.settings
+    if settings.allow_runtime_lora_updating:
+        # As vLLM: the routes exist only when asked for (any client could load files).
+        logger.warning(
+            "runtime LoRA loading is on: POST /v1/load_lora_adapter reads any directory "
+            "on this machine for any client of the API"
+        )
+        app.include_router(lora.router)
     if settings.enable_ui:
         _install_ui(app, ctx)
     # Starlette runs the last added middleware first: auth before reading any body.
@@ -121,6 +129,8 @@ def serving_context(
     check_classifier_settings(num_labels, pooling, settings.reranker)  # before any thread
     engine = AsyncEngine(built.core, queue_timeout_s=settings.queue_timeout_s, compute=compute)
     names = settings.served_model_names or (built.model_name,)
+    catalog = getattr(built, "lora_catalog", None)
+    _check_adapter_names(catalog, names)
     metrics = _make_metrics(built, engine, names[0], cache_info) if with_metrics else None
     responses = ResponsesState(
         ResponseStore(settings.responses_store_size, settings.responses_store_bytes)
@@ -147,7 +157,19 @@ def serving_context(
         model_pooling=pooling,
         hidden_size=getattr(built, "hidden_size", 0),
         num_labels=num_labels,
+        lora_catalog=catalog,
     )
+
+
+def _check_adapter_names(catalog: Any, names: Sequence[str]) -> None:
+    """ValueError for a --lora-modules adapter named like the base model: ``model`` could
+    not tell them apart."""
+    for adapter in catalog.adapters() if catalog is not None else ():
+        if adapter.name in names:
+            raise ValueError(
+                f"--lora-modules {adapter.name}: the name is the base model's served name; "
+                "give the adapter another name"
+            )
 
 
 def _startup_facts(built: Any, engine: AsyncEngine) -> dict[str, Any] | None:
@@ -193,6 +215,7 @@ def _make_metrics(
             "activation_reserve": built.plan.activation_reserve_bytes,
             "copy_staging": built.plan.copy_staging_bytes,
         },
+        max_loras=built.core.scheduler.config.max_loras,
     )
 
 

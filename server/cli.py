@@ -27,7 +27,13 @@ from engine.config import (
     SpeculativeConfig,
 )
 from engine.request import POOLING_KINDS
-from server.cli_flags import add_lora_flags, add_tier_flags, lora_config_from
+from server.cli_flags import (
+    add_lora_flags,
+    add_runtime_lora_flag,
+    add_tier_flags,
+    lora_config_from,
+    runtime_lora_updating,
+)
 from server.cli_frontend import add_frontend_arguments, frontend_settings
 from server.reasoning import REASONING_PARSERS
 from server.settings import (
@@ -190,7 +196,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         '"prompt_lookup_min": 2, "disable_by_batch_size": 8}\' (those are the defaults of '
         "omitted keys; off when not given)",
     )
-    add_lora_flags(p)
+    add_runtime_lora_flag(add_lora_flags(p))
     http = p.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on")
     http.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -374,6 +380,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         reranker=args.reranker,
         responses_store_size=args.responses_store_size,
         responses_store_bytes=int(args.responses_store_memory * 1024 * 1024),
+        allow_runtime_lora_updating=runtime_lora_updating(args),
         **frontend_settings(args),
     )
 

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from engine.config import LoRAConfig
+
+# vLLM's switch for the runtime load/unload routes; kvserve honours it too.
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 def add_tier_flags(group: argparse._ArgumentGroup) -> None:
@@ -31,8 +35,9 @@ def add_tier_flags(group: argparse._ArgumentGroup) -> None:
     )
 
 
-def add_lora_flags(parser: argparse.ArgumentParser) -> None:
-    """LoRA adapters (engine/lora/; vLLM's flag names); shared with ``plan``."""
+def add_lora_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """LoRA adapters (engine/lora/; vLLM's flag names); shared with ``plan``. Returns the
+    group, for ``serve``'s own LoRA flag (``add_runtime_lora_flag``)."""
     group = parser.add_argument_group("LoRA adapters")
     group.add_argument(
         "--enable-lora",
@@ -60,6 +65,17 @@ def add_lora_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="adapters kept loaded in host memory, LRU (default: --max-loras)",
     )
+    return group
+
+
+def add_runtime_lora_flag(group: argparse._ArgumentGroup) -> None:
+    """``serve``'s switch for the load/unload routes (``plan`` has no routes to switch)."""
+    group.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter: any API client "
+        f"can then load adapter directories from this machine (or set {RUNTIME_LORA_ENV}=true)",
+    )
 
 
 def lora_module(text: str) -> tuple[str, str]:
@@ -77,6 +93,13 @@ def lora_module(text: str) -> tuple[str, str]:
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"--lora-modules takes name=path, got {text!r}")
     return name, path
+
+
+def runtime_lora_updating(args: argparse.Namespace) -> bool:
+    """``--allow-runtime-lora-updating``, or vLLM's environment variable set to 1 or true
+    (what vLLM accepts), so a deployment written for vLLM keeps its routes."""
+    env = os.environ.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
+    return bool(args.allow_runtime_lora_updating) or env
 
 
 def lora_config_from(args: argparse.Namespace) -> LoRAConfig | None:

@@ -71,6 +71,9 @@ class ServerSettings:
     # --reranker names a causal reranker's prompt format for /v1/score and /v1/rerank.
     pooling: str | None = None
     reranker: str | None = None
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (server/routes/lora.py):
+    # --allow-runtime-lora-updating or VLLM_ALLOW_RUNTIME_LORA_UPDATING, as in vLLM.
+    allow_runtime_lora_updating: bool = False
 
     @property
     def reasoning(self) -> ReasoningFormat | None:

@@ -11,7 +11,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.outputs import TokenLogprob
-from engine.request import SamplingParams
+from engine.request import LoRARequest, SamplingParams
 from server.choice_output import OutputOptions
 from server.logprob_format import vllm_prompt_logprobs
 from server.protocol import ChatCompletionRequest
@@ -44,8 +44,9 @@ async def create_chat_completion(
     ctx: Ctx,
 ) -> JSONResponse | StreamingResponse:
     model = ctx.check_model(body.model)
+    lora = ctx.lora_for(body.model)  # before any await: unloaded meanwhile is a 404, not the base
     ctx.check_generates()
-    run, chat = await launch_chat(ctx, request, body, new_id("chatcmpl"))
+    run, chat = await launch_chat(ctx, request, body, new_id("chatcmpl"), lora=lora)
     formatter = _ChatFormatter(ctx, run, model, body, chat)
     if body.stream:
         return await stream_when_started(request, run, formatter.events)
@@ -59,10 +60,12 @@ async def launch_chat(
     request_id: str,
     *,
     up_to_context: bool = False,
+    lora: LoRARequest | None = None,
 ) -> tuple[GenerationRun, PreparedChat]:
     """The one generation path of the chat, Responses and Messages routes: prepare the
     request off the event loop, compile its constraint, submit it to the engine
-    (``up_to_context``: a token budget past the context is cut to it, not refused)."""
+    (``up_to_context``: a token budget past the context is cut to it, not refused) to run
+    with the LoRA adapter ``lora`` (None: the base model)."""
     chat = await ctx.request_cpu.run(request, prepare_chat, ctx, body, up_to_context)
     params = await constrained(
         ctx.grammar_compiler,
@@ -81,6 +84,7 @@ async def launch_chat(
         priority=body.priority,
         cache_salt=body.cache_salt,
         options=OutputOptions.from_request(body),
+        lora=lora,
     )
     await run.submit()
     return run, chat

@@ -43,6 +43,7 @@ async def create_completion(
     ctx: Ctx,
 ) -> JSONResponse | StreamingResponse:
     model = ctx.check_model(body.model)
+    lora = ctx.lora_for(body.model)  # before any await: unloaded meanwhile is a 404, not the base
     ctx.check_generates()
     prompts, params, constraint = await ctx.request_cpu.run(request, prepare_completion, ctx, body)
     params = await constrained(ctx.grammar_compiler, params, constraint)
@@ -55,6 +56,7 @@ async def create_completion(
         priority=body.priority,
         cache_salt=body.cache_salt,
         options=OutputOptions.from_request(body),
+        lora=lora,
     )
     await run.submit()
     formatter = _CompletionFormatter(ctx, run, model, body, prompts)

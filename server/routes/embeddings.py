@@ -16,7 +16,7 @@ router = APIRouter(route_class=OffLoopBodyRoute)
 
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: HTTPRequest, ctx: Ctx) -> JSONResponse:
-    ctx.check_model(body.model)
+    ctx.check_base_model(body.model, "/v1/embeddings")
     check_dimensions(ctx, body.dimensions)
     prompts = await ctx.request_cpu.run(request, prepare_inputs, ctx, body)
     try:

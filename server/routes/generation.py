@@ -22,7 +22,7 @@ from fastapi import Request as HTTPRequest
 from engine.async_engine import GroupStream
 from engine.errors import EngineDeadError, RequestRejected
 from engine.outputs import RequestDelta, TokenLogprob
-from engine.request import Request, SamplingParams
+from engine.request import LoRARequest, Request, SamplingParams
 from server.choice_output import LogprobGate, OutputOptions
 from server.detokenize import IncrementalDetokenizer, StopStringMatcher
 from server.errors import APIError, engine_dead, from_rejection, invalid
@@ -157,7 +157,12 @@ class _Group:
 
 
 class GenerationRun:
-    """Submit, iterate, close. Use as ``async with run: async for update in run: ...``."""
+    """Submit, iterate, close. Use as ``async with run: async for update in run: ...``.
+
+    ``lora`` is the adapter every Request of the run carries (None: the base model); the
+    run holds it in ``ctx.lora_use`` from submission until it ends, so it is not
+    unloaded under it.
+    """
 
     def __init__(
         self,
@@ -170,6 +175,7 @@ class GenerationRun:
         priority: int = 0,
         cache_salt: str | None = None,
         options: OutputOptions | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
         if priority and ctx.scheduling_policy != "priority":
             raise invalid(
@@ -182,6 +188,8 @@ class GenerationRun:
         self.params = params
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora = lora
+        self._held_sequences = 0  # this run's sequences counted in ctx.lora_use
         self.start = time.monotonic()
         self._events: asyncio.Queue[tuple[int, list[RequestDelta]] | BaseException] = (
             asyncio.Queue()
@@ -203,6 +211,7 @@ class GenerationRun:
     async def submit(self) -> None:
         """Add every group to the engine; on any refusal abort the ones already added."""
         try:
+            self._hold_adapter()
             for p, group in enumerate(self.groups):
                 group_id = self.request_id if len(self.groups) == 1 else f"{self.request_id}-{p}"
                 group.stream = await self.ctx.engine.add(self._requests(group_id, group))
@@ -228,9 +237,30 @@ class GenerationRun:
                 index=i,
                 priority=self.priority,
                 cache_salt=self.cache_salt,
+                lora=self.lora,
             )
             for i in range(len(group.choices))
         ]
+
+    def _hold_adapter(self) -> None:
+        """Count the run's sequences as users of its adapter, or 404 when the adapter was
+        unloaded since the route resolved it (the request was being prepared). Called
+        right before the first add, with no await between: an unload either saw the
+        count or ran before this check."""
+        lora = self.lora
+        if lora is None:
+            return
+        catalog = self.ctx.lora_catalog
+        current = catalog.get(lora.name) if catalog is not None else None
+        if current is None or current.id != lora.id:
+            raise self.ctx.model_not_found(lora.name)
+        self._held_sequences = sum(len(g.choices) for g in self.groups)
+        self.ctx.lora_use.acquire(lora.id, self._held_sequences)
+
+    def _release_adapter(self) -> None:
+        if self.lora is not None and self._held_sequences:
+            self.ctx.lora_use.release(self.lora.id, self._held_sequences)
+            self._held_sequences = 0
 
     async def _pump(self, p: int, stream: GroupStream) -> None:
         try:
@@ -312,6 +342,7 @@ class GenerationRun:
                 # Every choice ended (some perhaps by a stop string the engine does not
                 # know about): stop the group in the engine now.
                 self._close_group(group)
+        self._release_adapter()
         self._record_all()
 
     def prompt_logprobs(self, index: int) -> list[TokenLogprob] | None:
@@ -336,6 +367,7 @@ class GenerationRun:
         self._abandon_all("abort")
         for group in self.groups:
             self._close_group(group)
+        self._release_adapter()
         self._record_all()
         if not self._closed:
             self._closed = True
@@ -371,6 +403,7 @@ class GenerationRun:
                         e2e_s=end - self.start,
                         itl_s=choice.itl(),
                         kv_blocks=choice.num_blocks,
+                        lora_name=self.lora.name if self.lora is not None else None,
                     )
                 )
 

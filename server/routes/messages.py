@@ -31,10 +31,13 @@ async def create_message(
     body: MessagesRequest, request: HTTPRequest, ctx: Ctx
 ) -> JSONResponse | StreamingResponse:
     model = ctx.check_model(body.model)
+    lora = ctx.lora_for(body.model)  # before any await: unloaded meanwhile is a 404, not the base
     ctx.check_generates()
     # Translating and validating the whole conversation grows with the body: off the loop.
     chat_body = await ctx.request_cpu.run(request, chat_request, body)
-    run, chat = await launch_chat(ctx, request, chat_body, new_message_id(), up_to_context=True)
+    run, chat = await launch_chat(
+        ctx, request, chat_body, new_message_id(), up_to_context=True, lora=lora
+    )
     window_bound = chat.params.max_tokens < body.max_tokens
     job = MessageJob(run, choice_output(chat.plan, chat.reasoning), model, window_bound)
     if body.stream:

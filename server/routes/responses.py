@@ -35,6 +35,7 @@ async def create_response(
     body: ResponsesRequest, request: HTTPRequest, ctx: Ctx
 ) -> JSONResponse | StreamingResponse:
     model = ctx.check_model(body.model)
+    lora = ctx.lora_for(body.model)  # before any await: unloaded meanwhile is a 404, not the base
     ctx.check_generates()
     state = responses_state(ctx)
     history: list[dict[str, Any]] = []
@@ -42,7 +43,7 @@ async def create_response(
         history = _stored(state, body.previous_response_id, "previous_response_id").messages
     # Translating and validating the whole conversation grows with the body: off the loop.
     conversation, chat_body = await ctx.request_cpu.run(request, _translate, body, history)
-    run, chat = await launch_chat(ctx, request, chat_body, new_response_id())
+    run, chat = await launch_chat(ctx, request, chat_body, new_response_id(), lora=lora)
     job = ResponseJob(state, run, chat, body, model, conversation)
     if body.background:
         return JSONResponse(job.start_background())

@@ -29,7 +29,7 @@ router = APIRouter(route_class=OffLoopBodyRoute)
 
 @router.post("/v1/score")
 async def score(body: ScoreRequest, request: HTTPRequest, ctx: Ctx) -> JSONResponse:
-    ctx.check_model(body.model)
+    ctx.check_base_model(body.model, "/v1/score")
     scoring = scorer(ctx, body.instruction)
     pairs = pairs_of(body)
     prompts = await ctx.request_cpu.run(
@@ -45,7 +45,7 @@ async def score(body: ScoreRequest, request: HTTPRequest, ctx: Ctx) -> JSONRespo
 
 @router.post("/v1/rerank")
 async def rerank(body: RerankRequest, request: HTTPRequest, ctx: Ctx) -> JSONResponse:
-    ctx.check_model(body.model)
+    ctx.check_base_model(body.model, "/v1/rerank")
     scoring = scorer(ctx, body.instruction)
     if not body.documents:
         raise invalid("'documents' must not be empty", "documents")
