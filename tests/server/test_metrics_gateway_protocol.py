@@ -1,13 +1,16 @@
 """kvserve satisfies the Gateway API Inference Extension's model server protocol: a live
 server's /metrics carries every metric of the protocol's table with the required type, and
 the values mean what the protocol says (queued, running, KV utilisation, block size and
-block count) while requests are held in the engine."""
+block count) while requests are held in the engine. The LoRA gauge is read as the EPP reads
+it (``epp_lora_view``); with LoRA off it says "no slot, no adapter" without an error.
+(tests/server/test_metrics_lora.py reads it from an engine serving adapters.)"""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,16 +39,50 @@ def families(url: str) -> dict[str, Any]:
 
 
 def protocol_values(url: str) -> dict[str, float]:
-    """Each protocol metric's value as the EPP reads it: the sample value, or the label."""
+    """Each numeric protocol metric's value as the EPP reads it: the sample value, or the
+    label (the LoRA gauge's adapter lists: ``epp_lora_view``)."""
     found = families(url)
     values = {}
     for row in PROTOCOL_METRICS:
+        if row.timestamped:
+            continue
         family = found[row.metric]
         (sample,) = family.samples
         values[row.protocol_name] = (
             float(sample.labels[row.label]) if row.label else float(sample.value)
         )
     return values
+
+
+@dataclass(frozen=True)
+class LoRAView:
+    """What the EPP stores from the LoRA gauge: MaxActiveModels, ActiveModels and
+    WaitingModels of its endpoint metrics."""
+
+    max_active: int
+    active: frozenset[str]
+    waiting: frozenset[str]
+
+
+def epp_lora_view(found: Mapping[str, Any]) -> LoRAView:
+    """The LoRA gauge read as the Inference Extension's EPP v1.5.0 reads it (data layer,
+    pkg/epp/framework/plugins/datalayer/extractor/metrics/): of the family's samples the
+    one with the largest value (``LoRASpec.getLatestMetric``); each list split on "," with
+    spaces trimmed and empty names dropped (``addAdapters``); ``max_lora`` an integer
+    (``populateLoRAMetrics``)."""
+    rows = [row for row in PROTOCOL_METRICS if row.timestamped]
+    (metric,) = {row.metric for row in rows}
+    latest = max(found[metric].samples, key=lambda sample: sample.value)
+    labels = {row.protocol_name: latest.labels[str(row.label)] for row in rows}
+
+    def names(csv: str) -> frozenset[str]:
+        return frozenset(name.strip() for name in csv.split(",") if name.strip())
+
+    return LoRAView(
+        max_active=int(labels["MaxActiveModels"]),
+        active=names(labels["ActiveModels"]),
+        waiting=names(labels["WaitingModels"]),
+    )
 
 
 def wait_until(check: Callable[[], Any], what: str, timeout_s: float = 60) -> Any:
@@ -90,18 +127,41 @@ class HeldStream:
 
 
 def test_every_protocol_metric_is_exported_with_the_required_type(server: LiveServer) -> None:
+    before = time.time()
     found = families(server.url)
+    after = time.time()
     for row in PROTOCOL_METRICS:
         assert row.metric in found, row
         # The EPP parses the text format, where an info metric is a gauge of value 1.
         assert found[row.metric].type == PROTOCOL_TYPE, (row, found[row.metric].type)
         (sample,) = found[row.metric].samples
         assert sample.name == row.metric
-        if row.label is not None:
+        if row.timestamped:  # the LoRA gauge: the scrape's time, by which the EPP picks
+            assert before <= sample.value <= after, (row, sample.value)
+            assert row.label in sample.labels, (row, sample.labels)
+        elif row.label is not None:
             assert sample.value == 1
             assert sample.labels[row.label].isdigit(), (row, sample.labels)
     required = {row.protocol_name for row in PROTOCOL_METRICS if row.required}
     assert required == {"TotalQueuedRequests", "TotalRunningRequests", "KVCacheUtilization"}
+
+
+def test_without_lora_the_gauge_says_no_slot_and_no_adapter(server: LiveServer) -> None:
+    """LoRA off: the gauge is there all the same (so one EPP config with loraSpec set
+    serves every kvserve pod), and reads as no adapter slot and no adapter."""
+    found = families(server.url)
+    (sample,) = found["kvserve_lora_requests_info"].samples
+    assert sample.labels == {
+        "model_name": TINY_MODEL_NAME,
+        "max_lora": "0",
+        "running_lora_adapters": "",
+        "waiting_lora_adapters": "",
+    }
+    assert epp_lora_view(found) == LoRAView(0, frozenset(), frozenset())
+    # A later scrape is a later snapshot: its value grows, as the EPP's pick assumes.
+    time.sleep(0.01)
+    (again,) = families(server.url)["kvserve_lora_requests_info"].samples
+    assert again.value > sample.value
 
 
 def test_the_text_format_types_them_as_gauges(server: LiveServer) -> None:
@@ -160,12 +220,13 @@ def test_the_epp_engine_config_names_only_exported_metrics(server: LiveServer) -
     exported = {sample.name for f in families(server.url).values() for sample in f.samples}
     config = epp_engine_config()
     assert config.pop("name") == "kvserve"
-    assert config.pop("loraSpec") == ""
     assert set(config) == {
         "queuedRequestsSpec",
         "runningRequestsSpec",
         "kvUsageSpec",
         "cacheInfoSpec",
+        "loraSpec",  # on: kvserve exports the LoRA gauge with LoRA off too
     }
+    assert config["loraSpec"] == "kvserve_lora_requests_info"
     for key, metric in config.items():
         assert metric in exported, (key, metric)

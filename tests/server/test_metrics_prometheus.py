@@ -365,3 +365,23 @@ def test_prometheus_compares_measured_and_computed_memory(
     assert 0.95 <= seen[0] <= 1.0
     resident = values(query(prometheus_url, 'process_resident_memory_bytes{job="kvserve"}'))
     assert resident and resident[0] > 50 * 2**20
+
+
+def test_prometheus_reads_the_lora_gauge_of_a_server_without_lora(
+    kvserve_url: str, prometheus_url: str
+) -> None:
+    """The series the EPP's LoRA scrape reads is there with LoRA off: one, max_lora 0 and
+    no adapter (Prometheus drops the empty list labels), its value the time of the scrape
+    that carried it, so it trails Prometheus's clock by at most a scrape interval."""
+    (series,) = wait_for(
+        lambda: query(prometheus_url, "kvserve_lora_requests_info"), 30, "the LoRA gauge"
+    )
+    labels = series["metric"]
+    assert labels["max_lora"] == "0" and labels["model_name"] == MODEL_NAME
+    assert "running_lora_adapters" not in labels and "waiting_lora_adapters" not in labels
+    (age,) = values(query(prometheus_url, "time() - kvserve_lora_requests_info"))
+    assert -1.0 < age < SCRAPE_INTERVAL_S + 5.0
+    # A newer scrape, a larger value: what the EPP's pick of the latest sample relies on.
+    rising = f"min_over_time(deriv(kvserve_lora_requests_info[5s])[{5 * SCRAPE_INTERVAL_S}s:1s])"
+    wait_for(lambda: values(query(prometheus_url, rising)), 30, "five scrapes of the gauge")
+    assert values(query(prometheus_url, rising))[0] > 0

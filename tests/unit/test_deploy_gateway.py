@@ -257,6 +257,8 @@ def test_the_picker_reads_kvserve_metric_names() -> None:
     used = {ref["pluginRef"] for ref in profile["plugins"]}
     assert used <= set(plugins)
     assert {"queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer"} <= used
+    # The LoRA gauge's reader (loraSpec is set: kvserve exports it with LoRA off too).
+    assert "lora-affinity-scorer" in used
 
 
 def test_the_route_sends_the_openai_api_to_the_pool_through_the_gateway() -> None:

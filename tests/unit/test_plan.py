@@ -264,3 +264,102 @@ def test_a_hybrid_model_plans_per_group_and_against_an_all_full_cache(tmp_path: 
     )
     text = format_report(hybrid)
     assert "KV group 5" in text and "hybrid KV cache" in text
+
+
+# --- LoRA adapters ---------------------------------------------------------------------
+
+LORA = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "5")
+
+
+def adapter_bytes(
+    *, layers: int, hidden: int, q: int, kv: int, inter: int, rank: int, dtype_bytes: int
+) -> int:
+    """One adapter slot by hand: for each projection A [parts * rank, in] and B [parts *
+    rank, out], rank padded to --max-lora-rank; qkv has three parts, gate_up two."""
+    projections = [(hidden, q + 2 * kv, 3), (q, hidden, 1)]
+    if inter:
+        projections += [(hidden, 2 * inter, 2), (inter, hidden, 1)]
+    per_layer = sum(parts * rank * (fan_in + fan_out) for fan_in, fan_out, parts in projections)
+    return layers * per_layer * dtype_bytes
+
+
+def test_lora_slots_count_as_weights_and_the_host_cache_apart(tmp_path: Path) -> None:
+    model = str(write_config(tmp_path, num_layers=3, num_kv_heads=2))
+    flags = ("--model", model, "--device", "cpu", "--dtype", "float16")
+    base = build_report(parse(*flags))
+    report = build_report(parse(*flags, *LORA))
+    adapter = adapter_bytes(layers=3, hidden=64, q=64, kv=32, inter=128, rank=8, dtype_bytes=2)
+    assert report.lora_adapter_bytes == adapter
+    assert (report.lora_max_loras, report.lora_max_rank) == (2, 8)
+    assert report.lora_slots_bytes == 2 * adapter
+    assert (report.lora_host_adapters, report.lora_host_cache_bytes) == (5, 5 * adapter)
+    assert {"q_proj", "o_proj", "up_proj", "down_proj"} <= set(report.lora_modules)
+    # The engine counts its slots in its weight bytes; a base-model decode reads none.
+    assert report.weight_bytes == base.weight_bytes + 2 * adapter
+    assert report.num_parameters == base.num_parameters
+    assert report.active_weight_bytes == base.active_weight_bytes
+    # --kv-cache-memory is the KV pool's own budget (as serve on the CPU): unchanged.
+    assert report.kv_budget_bytes == base.kv_budget_bytes
+    assert report.num_blocks == base.num_blocks
+    assert (base.lora_max_loras, base.lora_slots_bytes, base.lora_modules) == (0, 0, ())
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_lora_slots_come_out_of_a_memory_budget(tmp_path: Path, device: str) -> None:
+    """With --memory (on CUDA: a fraction of the device, as serve sizes it) the slots take
+    their bytes from the KV pool."""
+    model = str(write_config(tmp_path))
+    flags = ("--model", model, "--device", device, "--dtype", "float32", "--memory", "0.5")
+    flags += ("--activation-reserve", "0.125")
+    base = build_report(parse(*flags))
+    report = build_report(parse(*flags, *LORA))
+    assert report.lora_slots_bytes > 0
+    assert report.memory_budget_bytes == base.memory_budget_bytes
+    assert report.kv_budget_bytes == base.kv_budget_bytes - report.lora_slots_bytes
+    assert report.num_blocks == report.kv_budget_bytes // report.bytes_per_block
+
+
+def test_an_moe_model_takes_adapters_on_attention_only(tmp_path: Path) -> None:
+    """The experts take no adapter: the slot holds qkv and o_proj."""
+    from transformers import MixtralConfig
+
+    MixtralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=1024,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    flags = ("--model", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--enable-lora")
+    report = build_report(parse(*flags))
+    assert report.experts == "2 of 4 experts a layer"
+    assert report.lora_adapter_bytes == adapter_bytes(
+        layers=2, hidden=64, q=64, kv=32, inter=0, rank=16, dtype_bytes=4
+    )
+    assert (report.lora_max_loras, report.lora_host_adapters) == (1, 1)  # the defaults
+    assert "gate_proj" not in report.lora_modules
+
+
+def test_lora_in_the_text_and_json_output(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    model = str(write_config(tmp_path))
+    assert run_plan(parse("--model", model, "--dtype", "float32", *LORA)) == 0
+    out = capsys.readouterr().out
+    report = build_report(parse("--model", model, "--dtype", "float32", *LORA))
+    slots = format_bytes(report.lora_slots_bytes)
+    assert f"LoRA slots          2 x {format_bytes(report.lora_adapter_bytes)}" in out
+    assert f"= {slots}, with the weights: {format_bytes(report.weight_bytes)} in all" in out
+    assert f"5 adapters = {format_bytes(report.lora_host_cache_bytes)} of host memory" in out
+    without = report.weight_bytes - report.lora_slots_bytes
+    assert f"parameters = {format_bytes(without)}" in out
+    assert run_plan(parse("--model", model, "--json", *LORA)) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["lora_slots_bytes"] == 2 * data["lora_adapter_bytes"] > 0
+    assert data["lora_host_cache_bytes"] == 5 * data["lora_adapter_bytes"]
+    assert run_plan(parse("--model", model)) == 0
+    assert "LoRA" not in capsys.readouterr().out
+
+
+def test_bad_lora_flags_exit_2(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    model = str(write_config(tmp_path))
+    assert run_plan(parse("--model", model, "--lora-modules", "a=/adapters/a")) == 2
+    assert "--lora-modules needs --enable-lora" in capsys.readouterr().err
+    assert run_plan(parse("--model", model, "--enable-lora", "--max-loras", "0")) == 2
+    assert "max_loras must be >= 1" in capsys.readouterr().err
