@@ -20,3 +20,13 @@ class EngineDeadError(RuntimeError):
 class GrammarError(ValueError):
     """A structured-output constraint (JSON schema, regex, choice, grammar) that cannot be
     compiled; the message says what is wrong in it (the server answers 400)."""
+
+
+class AdapterUnavailable(RuntimeError):
+    """A LoRA adapter a step needs could not be read back from its directory (deleted, or
+    its files changed since it was loaded). Only the requests on adapter ``lora_id`` fail;
+    the rest of the step runs (engine/step_executor.py)."""
+
+    def __init__(self, lora_id: int, message: str) -> None:
+        super().__init__(message)
+        self.lora_id = lora_id

@@ -30,6 +30,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.errors import AdapterUnavailable
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,11 @@ class StepExecutor:
             forward = SchedulerOutput(scheduled=out.scheduled)
         try:
             result = StepResult(self.runner.execute(forward))
+        except AdapterUnavailable as exc:
+            # A client's bad adapter, not a sick engine: not counted as a failed step.
+            result = self._without_adapter(out.scheduled, exc)
+            result.failed_swap_out = failed_swap_out
+            return result
         except Exception as exc:
             self._raise_if_fatal(exc)
             if forward.swap_in or forward.copies:
@@ -157,6 +163,21 @@ class StepExecutor:
             self.runner.execute(moves)
         except Exception as exc:
             raise EngineFault(f"block moves failed twice: {_describe(exc)}") from exc
+
+    def _without_adapter(
+        self, batch: list[ScheduledRequest], exc: AdapterUnavailable
+    ) -> StepResult:
+        """Fail the requests on the adapter that could not be read; run the others."""
+        logger.warning("%s; failing the requests that use it", exc)
+        lost = [r for r in batch if r.lora is not None and r.lora.id == exc.lora_id]
+        result = _fail_all(lost, exc)
+        rest = [r for r in batch if r not in lost]
+        if rest:
+            try:
+                _merge(result, StepResult(self.runner.execute(SchedulerOutput(scheduled=rest))))
+            except AdapterUnavailable as again:  # a second adapter of the step is gone too
+                _merge(result, self._without_adapter(rest, again))
+        return result
 
     # -- out-of-memory retries -------------------------------------------------------------
 

@@ -209,6 +209,11 @@ def _check_shapes(
     max_rank: int,
 ) -> int:
     """The module's rank, after checking its A and B against the base."""
+    if a.dim() != 2 or b.dim() != 2:
+        raise LoRAError(
+            f"layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
+            "must be matrices"
+        )
     rank = a.shape[0]
     if rank > max_rank:
         raise LoRAError(
@@ -217,7 +222,7 @@ def _check_shapes(
         )
     _, rows = projection.part_rows(part)
     expected_a, expected_b = (rank, projection.in_features), (rows, rank)
-    if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
+    if tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
         raise LoRAError(
             f"layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do "
             f"not match the base model ({list(expected_a)} and {list(expected_b)} expected); "

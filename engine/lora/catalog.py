@@ -30,8 +30,12 @@ class LoRACatalog:
     def load(self, name: str, path: str) -> LoRARequest:
         """Check the adapter at ``path`` against the base and serve it as ``name``
         (``LoRAError`` if it cannot be, or the name is taken). Reads every file: slow."""
-        if not name:
-            raise LoRAError("a LoRA adapter needs a non-empty name")
+        if not name or "," in name or name != name.strip():
+            # The gateway's lora_requests_info lists adapters comma-separated.
+            raise LoRAError(
+                f"LoRA adapter name {name!r} must be non-empty, without commas or "
+                "surrounding spaces"
+            )
         with self._lock:
             if name in self._adapters:
                 raise LoRAError(f"the LoRA adapter {name!r} is already loaded")

@@ -19,7 +19,8 @@ from collections.abc import Callable
 import torch
 
 from engine.config import LoRAConfig
-from engine.lora.adapter import LoRAAdapter, read_adapter
+from engine.errors import AdapterUnavailable
+from engine.lora.adapter import LoRAAdapter, LoRAError, fingerprint, read_adapter
 from engine.lora.targets import DOWN, GATE_UP, O_PROJ, QKV, LoRATargets
 from engine.model.layers.decoder import DecoderModel, LayerWeights
 from engine.model.layers.linear import Linear
@@ -96,12 +97,22 @@ class LoRARuntime:
         if adapter is not None:
             self._host.move_to_end(lora.id)
             return adapter
-        adapter = read_adapter(lora.path, self.targets, self.dtype)
+        adapter = self._read(lora)
         self.disk_reads += 1
         self._host[lora.id] = adapter
         while len(self._host) > self._host_capacity:
             self._host.popitem(last=False)
         return adapter
+
+    def _read(self, lora: LoRARequest) -> LoRAAdapter:
+        """The adapter's files, as they were when it was loaded (its fingerprint)."""
+        try:
+            if fingerprint(lora.path) != lora.fingerprint:
+                raise LoRAError("its files changed since it was loaded; load it again")
+            return read_adapter(lora.path, self.targets, self.dtype)
+        except (LoRAError, OSError) as exc:
+            message = f"LoRA adapter {lora.name!r} cannot be read back from {lora.path}: {exc}"
+            raise AdapterUnavailable(lora.id, message) from exc
 
     def _fill(self, slot: int, adapter: LoRAAdapter) -> None:
         """Copy ``adapter`` into ``slot`` of every projection; zero where it has none."""

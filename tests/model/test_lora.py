@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -217,3 +218,35 @@ def prompt_logprobs(
 def mean_abs(values: list[float], expected: list[float]) -> float:
     assert len(values) == len(expected)
     return math.fsum(abs(a - b) for a, b in zip(values, expected, strict=True)) / len(values)
+
+
+def test_an_adapter_gone_from_disk_fails_only_its_own_requests(
+    served: Served, tmp_path: Path
+) -> None:
+    """An adapter evicted from the host cache is read back from its directory; when that
+    directory is gone (or its files changed), its requests fail with the reason and the
+    rest of the step runs on."""
+    built = served.engine()
+    catalog = built.lora_catalog
+    assert catalog is not None
+    copy_dir = tmp_path / "doomed"
+    shutil.copytree(served.adapters["two4"], copy_dir)
+    catalog.load("doomed", str(copy_dir))
+    generate(built, served.prompt, ["doomed"])
+    generate(built, served.prompt, ["all8", "all16"])  # both slots and the host cache
+    shutil.rmtree(copy_dir)
+    sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    core = built.core
+    for name in (None, "doomed", "all8"):
+        lora = catalog.get(name) if name is not None else None
+        core.add_request([Request(f"after-{name}", list(served.prompt), sampling, lora=lora)])
+    tokens: dict[str, list[int]] = {}
+    errors: dict[str, str | None] = {}
+    while core.has_unfinished():
+        for delta in core.step():
+            tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+            errors[delta.request_id] = errors.get(delta.request_id) or delta.error
+    assert tokens["after-None"] == reference_greedy(served.references[None], served.prompt, 4)
+    assert tokens["after-all8"] == reference_greedy(served.references["all8"], served.prompt, 4)
+    assert errors["after-doomed"] and "cannot be read back" in errors["after-doomed"]
+    assert errors["after-None"] is None and errors["after-all8"] is None

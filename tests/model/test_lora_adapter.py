@@ -169,3 +169,6 @@ def test_catalog_ids_are_never_reused_and_names_are_unique(tmp_path: Path) -> No
     assert catalog.adapters() == (again,) and catalog.get("mine") == again
     with pytest.raises(KeyError):
         catalog.unload("other")
+    for bad in ("", "a,b", " padded"):  # the gateway's gauge lists names comma-separated
+        with pytest.raises(LoRAError, match="without commas"):
+            catalog.load(bad, path)
