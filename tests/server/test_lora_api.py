@@ -435,3 +435,10 @@ def test_runtime_updating_by_flag_or_vllm_env(
 def test_an_adapter_named_like_the_base_stops_the_start(lora_built: Any) -> None:
     with pytest.raises(ValueError, match="--lora-modules sql"):
         serving_context(lora_built, ServerSettings(served_model_names=("sql",)), with_metrics=False)
+
+
+def test_metrics_name_the_adapter_slots_of_the_live_server(server: LiveServer) -> None:
+    """/metrics of a real --enable-lora server: the gateway gauge carries --max-loras."""
+    text = httpx.get(f"{server.url}/metrics").text
+    gauge = [line for line in text.splitlines() if line.startswith("kvserve_lora_requests_info{")]
+    assert gauge and all('max_lora="2"' in line for line in gauge)
