@@ -34,6 +34,7 @@ import torch
 
 from bench.bench_engine import make_prompts
 from bench.bench_hybrid_kv import cpu_description, wait_healthy
+from bench.bench_moe import load_run
 from engine.builder import BuiltEngine, build_engine
 from engine.config import EngineArgs, LoRAConfig
 from engine.lora.targets import HF_MODULES, LoRATargets
@@ -150,22 +151,6 @@ def server_command(args: argparse.Namespace, port: int, paths: dict[str, str] | 
     return command
 
 
-def load_run(url: str, model: str, out: Path) -> dict[str, Any]:
-    command = [
-        sys.executable, "-m", "loadtest", "--url", url, "-c", "32", "-t", "4", "--model", model,
-        "--user-len", "64", "--max-tokens", "64", "--ignore-eos", "--no-progress",
-        "--request-timeout", "1200", "--json", str(out),
-    ]  # fmt: skip
-    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    summary = json.loads(out.read_text())["summary"]
-    return {
-        "output_tokens_per_s": summary["throughput"]["output_tokens_per_s"],
-        "itl_p50_s": summary["latency_s"]["itl"]["p50"],
-        "ttft_p50_s": summary["latency_s"]["ttft"]["p50"],
-        "completed": summary["requests"]["completed"],
-    }
-
-
 def measure_served(args: argparse.Namespace) -> dict[str, Any]:
     probe = build_engine(engine_args(args, LoRAConfig(max_loras=4, max_lora_rank=args.rank)))
     paths = write_adapters(probe.core.runner.lora.targets, args.adapter_dir, args.rank)  # type: ignore[attr-defined]
@@ -186,7 +171,7 @@ def measure_served(args: argparse.Namespace) -> dict[str, Any]:
                 for model in models:
                     workload = names.get((server_name, model), "lora, 4 adapters")
                     run_file = out / f"load-{workload.replace(' ', '_')}-{round_index}.json"
-                    results[workload].append(load_run(url, model, run_file))
+                    results[workload].append(load_run(url, 32, run_file, turns=4, model=model))
             finally:
                 server.terminate()
                 server.wait(timeout=60)

@@ -161,13 +161,16 @@ def server_commands(
     return commands
 
 
-def load_run(url: str, concurrency: int, out: Path) -> dict[str, Any]:
-    """One kvserve-loadtest run; the summary of its JSON."""
-    turns = 4 if concurrency == 1 else 2
+def load_run(
+    url: str, concurrency: int, out: Path, turns: int | None = None, model: str | None = None
+) -> dict[str, Any]:
+    """One kvserve-loadtest run (``turns`` default: 4 for one conversation, else 2;
+    ``model``: its --model); the summary of its JSON."""
+    turns = turns or (4 if concurrency == 1 else 2)
     command = [
         sys.executable, "-m", "loadtest", "--url", url, "-c", str(concurrency), "-t", str(turns),
         "--user-len", "64", "--max-tokens", "64", "--ignore-eos", "--no-progress",
-        "--request-timeout", "1200", "--json", str(out),
+        "--request-timeout", "1200", "--json", str(out), *(["--model", model] if model else []),
     ]  # fmt: skip
     subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     summary = json.loads(out.read_text())["summary"]

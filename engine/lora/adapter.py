@@ -14,6 +14,7 @@ malformed directory, DoRA, trained biases or ``modules_to_save``, a rank above
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import re
@@ -51,37 +52,22 @@ class AdapterConfig:
 @dataclass
 class LoRAAdapter:
     """One adapter in slot layout: ``slots[(layer, projection)] = (a, bt)`` with ``a``
-    ``[width, in]`` and ``bt`` ``[width, out]`` (projections it does not target are absent)."""
+    ``[width, in]`` and ``bt`` ``[width, out]`` (projections it does not target are absent),
+    and the ``fingerprint`` of the files it was read from."""
 
     rank: int
     slots: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() * 2 for a, _ in self.slots.values())
-
-
-def read_config(path: Path) -> AdapterConfig:
-    """The adapter's config, or ``LoRAError`` for anything kvserve does not serve."""
-    if not path.is_dir():
-        raise LoRAError(f"LoRA adapter path {str(path)!r} is not a directory")
-    file = path / CONFIG_FILE
-    if not file.is_file():
-        raise LoRAError(f"{str(path)!r} is not a PEFT adapter directory: it has no {CONFIG_FILE}")
-    try:
-        raw = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise LoRAError(f"{file} is not valid JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise LoRAError(f"{file} must hold a JSON object")
-    return _parse_config(raw, file)
+    fingerprint: str
 
 
 def read_adapter(path: str | Path, targets: LoRATargets, dtype: torch.dtype) -> LoRAAdapter:
-    """The adapter at ``path`` in slot layout for a base with ``targets``."""
+    """The adapter at ``path`` in slot layout for a base with ``targets``; each file is
+    read once, for the tensors and the fingerprint alike."""
     path = Path(path)
-    config = read_config(path)
-    tensors = _load_tensors(path)
+    config_bytes = _config_bytes(path)
+    config = _parse_config(_json_object(config_bytes, path / CONFIG_FILE), path / CONFIG_FILE)
+    weights_name, weights_bytes = _weight_bytes(path)
+    tensors = _load_tensors(path / weights_name, weights_bytes)
     pairs = _pair_modules(tensors, path)
     slots: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     max_rank = 0
@@ -97,19 +83,48 @@ def read_adapter(path: str | Path, targets: LoRATargets, dtype: torch.dtype) -> 
         _place(slot, a, b * config.scale(module, rank), projection, part, targets.max_rank)
     if not slots:
         raise LoRAError(f"the adapter at {str(path)!r} holds no LoRA weights")
-    return LoRAAdapter(max_rank, slots)
+    return LoRAAdapter(max_rank, slots, _digest(config_bytes, weights_name, weights_bytes))
 
 
 def fingerprint(path: str | Path) -> str:
-    """A digest of the adapter's config and weight files: the prefix-cache key of its KV."""
+    """A digest of the adapter's config and weight file: the prefix-cache key of its KV
+    (what ``read_adapter`` records, without parsing the tensors)."""
     path = Path(path)
+    return _digest(_config_bytes(path), *_weight_bytes(path))
+
+
+def _digest(config_bytes: bytes, weights_name: str, weights_bytes: bytes) -> str:
     digest = hashlib.blake2b(digest_size=16)
-    for name in (CONFIG_FILE, *WEIGHT_FILES):
-        file = path / name
-        if file.is_file():
-            digest.update(name.encode())
-            digest.update(file.read_bytes())
+    for part in (config_bytes, weights_name.encode(), weights_bytes):
+        digest.update(part)
     return digest.hexdigest()
+
+
+def _config_bytes(path: Path) -> bytes:
+    if not path.is_dir():
+        raise LoRAError(f"LoRA adapter path {str(path)!r} is not a directory")
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        raise LoRAError(f"{str(path)!r} is not a PEFT adapter directory: it has no {CONFIG_FILE}")
+    return file.read_bytes()
+
+
+def _json_object(data: bytes, file: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(data)
+    except ValueError as exc:
+        raise LoRAError(f"{file} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise LoRAError(f"{file} must hold a JSON object")
+    return raw
+
+
+def _weight_bytes(path: Path) -> tuple[str, bytes]:
+    """The first weight file's name and contents."""
+    for name in WEIGHT_FILES:
+        if (path / name).is_file():
+            return name, (path / name).read_bytes()
+    raise LoRAError(f"{str(path)!r} has no adapter weights ({' or '.join(WEIGHT_FILES)})")
 
 
 def _parse_config(raw: dict[str, Any], file: Path) -> AdapterConfig:
@@ -145,23 +160,18 @@ def _pattern_value(pattern: dict[str, Any], module: str, default: Any) -> Any:
     return default
 
 
-def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    for name in WEIGHT_FILES:
-        file = path / name
-        if not file.is_file():
-            continue
-        try:
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
+def _load_tensors(file: Path, data: bytes) -> dict[str, torch.Tensor]:
+    try:
+        if file.name.endswith(".safetensors"):
+            from safetensors.torch import load
 
-                return load_file(str(file))
-            loaded = torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as exc:  # a truncated or foreign file: say which
-            raise LoRAError(f"cannot read {file}: {exc}") from exc
-        if not isinstance(loaded, dict):
-            raise LoRAError(f"{file} does not hold a dict of tensors")
-        return loaded
-    raise LoRAError(f"{str(path)!r} has no adapter weights ({' or '.join(WEIGHT_FILES)})")
+            return load(data)
+        loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # a truncated or foreign file: say which
+        raise LoRAError(f"cannot read {file}: {exc}") from exc
+    if not isinstance(loaded, dict):
+        raise LoRAError(f"{file} does not hold a dict of tensors")
+    return loaded
 
 
 def _pair_modules(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from engine.lora.adapter import LoRAError, fingerprint, read_adapter
+from engine.lora.adapter import LoRAError, read_adapter
 from engine.lora.targets import LoRATargets
 from engine.request import LoRARequest
 
@@ -39,8 +39,8 @@ class LoRACatalog:
         with self._lock:
             if name in self._adapters:
                 raise LoRAError(f"the LoRA adapter {name!r} is already loaded")
-        read_adapter(path, self.targets, self.dtype)  # raises what the runner would
-        digest = fingerprint(path)
+        # Raises what the runner would; its fingerprint keys the adapter's prefix blocks.
+        digest = read_adapter(path, self.targets, self.dtype).fingerprint
         with self._lock:
             if name in self._adapters:
                 raise LoRAError(f"the LoRA adapter {name!r} is already loaded")

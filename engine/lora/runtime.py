@@ -20,7 +20,7 @@ import torch
 
 from engine.config import LoRAConfig
 from engine.errors import AdapterUnavailable
-from engine.lora.adapter import LoRAAdapter, LoRAError, fingerprint, read_adapter
+from engine.lora.adapter import LoRAAdapter, LoRAError, read_adapter
 from engine.lora.targets import DOWN, GATE_UP, O_PROJ, QKV, LoRATargets
 from engine.model.layers.decoder import DecoderModel, LayerWeights
 from engine.model.layers.linear import Linear
@@ -107,9 +107,10 @@ class LoRARuntime:
     def _read(self, lora: LoRARequest) -> LoRAAdapter:
         """The adapter's files, as they were when it was loaded (its fingerprint)."""
         try:
-            if fingerprint(lora.path) != lora.fingerprint:
+            adapter = read_adapter(lora.path, self.targets, self.dtype)
+            if adapter.fingerprint != lora.fingerprint:
                 raise LoRAError("its files changed since it was loaded; load it again")
-            return read_adapter(lora.path, self.targets, self.dtype)
+            return adapter
         except (LoRAError, OSError) as exc:
             message = f"LoRA adapter {lora.name!r} cannot be read back from {lora.path}: {exc}"
             raise AdapterUnavailable(lora.id, message) from exc
