@@ -126,6 +126,7 @@ class LoRARuntime:
             else:
                 layer.a[rows].copy_(weights[0], non_blocking=True)
                 layer.bt[rows].copy_(weights[1], non_blocking=True)
+            layer.refresh(slot)
         self.slot_fills += 1
 
 
@@ -146,7 +147,7 @@ def attach_lora(model: DecoderModel, config: LoRAConfig) -> tuple[DecoderModel, 
         dtype, device = model.dtype, model.device
         a = torch.zeros(rows, projection.in_features, dtype=dtype, device=device)
         bt = torch.zeros(rows, projection.out_features, dtype=dtype, device=device)
-        layer = LoRALinear(base, a, bt, width, batch, native=native)
+        layer = LoRALinear(base, a, bt, width, batch, native=native, parts=len(projection.parts))
         wrapped[(index, name)] = layer
         return layer
 

@@ -11,16 +11,34 @@ from engine.model.kernels.native import load_native_ops
 from engine.model.layers.linear import DenseLinear
 from engine.model.layers.lora import BASE_SLOT, LoRABatch, LoRALinear
 
-IN, OUT, WIDTH, SLOTS = 96, 80, 12, 3
+IN, SLOTS = 100, 3  # 100: the dot products end in a partial chunk
+# A fused projection of three parts (q, k, v), 83 columns: a whole 64-column tile, one
+# vector and a few single columns at the end, so every path of the native expand runs.
+PART_COLUMNS = (40, 20, 23)
+OUT, RANK = sum(PART_COLUMNS), 4
+WIDTH = len(PART_COLUMNS) * RANK
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
 def make_layer(dtype: torch.dtype, native: bool, seed: int = 0) -> LoRALinear:
+    """Three slots laid out as the runtime fills them: each part's B block non-zero only
+    at its own columns; slot 1 trains no k (its part 1 is all zeros)."""
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(OUT, IN, generator=generator).to(dtype)
-    a = torch.randn(SLOTS * WIDTH, IN, generator=generator).to(dtype) * 0.3
-    bt = torch.randn(SLOTS * WIDTH, OUT, generator=generator).to(dtype) * 0.3
-    return LoRALinear(DenseLinear(weight), a, bt, WIDTH, LoRABatch(), native=native)
+    a = torch.randn(SLOTS * WIDTH, IN, generator=generator) * 0.3
+    bt = torch.zeros(SLOTS * WIDTH, OUT)
+    for slot in range(SLOTS):
+        first_column = 0
+        for part, columns in enumerate(PART_COLUMNS):
+            rows = slice(slot * WIDTH + part * RANK, slot * WIDTH + (part + 1) * RANK)
+            block = slice(first_column, first_column + columns)
+            first_column += columns
+            if (slot, part) != (1, 1):
+                bt[rows, block] = torch.randn(RANK, columns, generator=generator) * 0.3
+    layer = LoRALinear(
+        DenseLinear(weight), a.to(dtype), bt.to(dtype), WIDTH, LoRABatch(), native, parts=3
+    )
+    return layer
 
 
 def expected(layer: LoRALinear, x: torch.Tensor, slots: list[int]) -> torch.Tensor:
@@ -67,11 +85,11 @@ def test_the_native_op_gives_a_row_the_same_bits_alone_and_in_a_batch(dtype: tor
     x = torch.randn(32, IN).to(dtype)
     slots = torch.tensor([row % SLOTS for row in range(32)])
     batched = torch.zeros(32, OUT, dtype=dtype)
-    torch.ops.kvserve.lora_apply(batched, x, layer.a, layer.bt, slots, WIDTH)
+    torch.ops.kvserve.lora_apply(batched, x, layer.a, layer.bt, slots, layer.spans)
     for row in (0, 13, 31):
         alone = torch.zeros(1, OUT, dtype=dtype)
         one = slice(row, row + 1)
-        torch.ops.kvserve.lora_apply(alone, x[one], layer.a, layer.bt, slots[one], WIDTH)
+        torch.ops.kvserve.lora_apply(alone, x[one], layer.a, layer.bt, slots[one], layer.spans)
         assert torch.equal(alone[0], batched[row])
 
 
@@ -81,5 +99,31 @@ def test_the_native_op_refuses_a_slot_past_the_stack() -> None:
     x = torch.randn(2, IN)
     with pytest.raises(RuntimeError, match="past the 3 slots"):
         torch.ops.kvserve.lora_apply(
-            layer.base(x), x, layer.a, layer.bt, torch.tensor([0, 3]), WIDTH
+            layer.base(x), x, layer.a, layer.bt, torch.tensor([0, 3]), layer.spans
         )
+
+
+@pytest.mark.skipif(not load_native_ops(), reason="needs the native kernels")
+def test_the_native_op_refuses_spans_outside_the_output() -> None:
+    layer = make_layer(torch.float32, native=True)
+    x = torch.randn(2, IN)
+    spans = layer.spans.clone()
+    spans[0, 0] = torch.tensor([10, OUT + 1])
+    with pytest.raises(RuntimeError, match="within the output"):
+        torch.ops.kvserve.lora_apply(
+            layer.base(x), x, layer.a, layer.bt, torch.tensor([0, 1]), spans
+        )
+
+
+def test_spans_follow_each_parts_columns_and_a_refilled_slot() -> None:
+    """The native kernel reads only these columns of each part's B block: they must cover
+    every non-zero, and an untrained part has none."""
+    layer = make_layer(torch.float32, native=True)
+    q, k, v = (0, 40), (40, 60), (60, 83)
+    assert layer.spans[0].tolist() == [list(q), list(k), list(v)]
+    assert layer.spans[1].tolist() == [list(q), [0, 0], list(v)]
+    rows = slice(2 * WIDTH, 3 * WIDTH)
+    layer.bt[rows].zero_()
+    layer.bt[2 * WIDTH + RANK, 45] = 1.0  # one weight of k, in the middle of its columns
+    layer.refresh(2)
+    assert layer.spans[2].tolist() == [[0, 0], [45, 46], [0, 0]]

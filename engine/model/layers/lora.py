@@ -11,7 +11,10 @@ the base returns) and holds ``max_loras`` adapter *slots* stacked in two matrice
 
 With the native CPU kernels one op per projection applies every row's own slot
 (``torch.ops.kvserve.lora_apply``, csrc/lora.cpp): a row reads only its adapter's A and B,
-and rows without one are not touched. Elsewhere (CUDA, the torch kernels) a step whose rows
+and rows without one are not touched. A slot's ``width`` rows are ``parts`` blocks of equal
+rank, one per part of a fused projection; ``spans`` records the columns each block reaches
+(re-read from ``bt`` by ``refresh`` whenever a slot is filled), so the kernel skips the
+zeros a q-only block has over k and v. Elsewhere (CUDA, the torch kernels) a step whose rows
 use slots ``0..n-1`` runs two GEMMs per projection over those slots: shrink
 ``x @ a[:n*width].T``, a 0/1 mask that keeps each row's own slot's columns, then expand
 ``+= shrunk @ bt[:n*width]``; a base row's mask is all zero, so its output is the base's
@@ -73,7 +76,7 @@ class LoRABatch:
 class LoRALinear:
     """A ``Linear`` plus the LoRA delta of each row's adapter slot (module docstring)."""
 
-    __slots__ = ("a", "base", "batch", "bt", "native", "width")
+    __slots__ = ("a", "base", "batch", "bt", "native", "spans", "width")
 
     def __init__(
         self,
@@ -83,14 +86,34 @@ class LoRALinear:
         width: int,
         batch: LoRABatch,
         native: bool = False,
+        parts: int = 1,
     ):
         assert a.shape[0] == bt.shape[0] and a.shape[0] % width == 0, "a and bt stack slots"
+        assert width % parts == 0, "a slot is parts blocks of one rank"
         self.base = base
         self.a = a
         self.bt = bt
         self.width = width  # rows of a and bt per slot
         self.batch = batch
         self.native = native  # torch.ops.kvserve.lora_apply (CPU tensors, kernels loaded)
+        # [slots, parts, 2]: the columns [begin, end) each part's block of bt reaches.
+        self.spans = torch.zeros(a.shape[0] // width, parts, 2, dtype=torch.long)
+        for slot in range(self.spans.shape[0]):
+            self.refresh(slot)
+
+    def refresh(self, slot: int) -> None:
+        """Re-read ``slot``'s column spans after its weights changed (native kernel only:
+        the GEMM path reads every column)."""
+        if not self.native:
+            return
+        parts, columns = self.spans.shape[1], self.bt.shape[1]
+        rows = self.bt[slot * self.width : (slot + 1) * self.width]
+        reached = rows.view(parts, -1, columns).ne(0).any(dim=1)  # [parts, columns]
+        first = reached.int().argmax(dim=1)
+        end = columns - reached.flip(1).int().argmax(dim=1)
+        empty = ~reached.any(dim=1)
+        self.spans[slot, :, 0] = first.masked_fill(empty, 0)
+        self.spans[slot, :, 1] = end.masked_fill(empty, 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -98,7 +121,7 @@ class LoRALinear:
         if batch.rows is None:
             return y
         if self.native and x.is_contiguous() and y.is_contiguous() and x.dtype == y.dtype:
-            torch.ops.kvserve.lora_apply(y, x, self.a, self.bt, batch.rows, self.width)
+            torch.ops.kvserve.lora_apply(y, x, self.a, self.bt, batch.rows, self.spans)
             return y
         columns = batch.num_slots * self.width
         shrunk = F.linear(x, self.a[:columns])

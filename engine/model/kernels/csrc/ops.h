@@ -97,8 +97,10 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, at::Int
                           at::IntArrayRef mask_rows, int64_t vocab_size);
 
 // lora.cpp: y[r] += (x[r] @ a[s].T) @ bt[s] for each row r of adapter slot s = row_slots[r]
-// (-1: untouched); a [slots * width, in], bt [slots * width, out], one dtype throughout.
+// (-1: untouched); a [slots * parts * rank, in], bt [slots * parts * rank, out], one dtype
+// throughout; spans [slots, parts, 2] int64: the columns [begin, end) outside which a part's
+// block of bt is zero (begin == end: the slot has no such part).
 void lora_apply(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
-                const at::Tensor& row_slots, int64_t width);
+                const at::Tensor& row_slots, const at::Tensor& spans);
 
 }  // namespace kvserve

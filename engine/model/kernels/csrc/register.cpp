@@ -30,7 +30,9 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("int8_linear_vnni(Tensor(a!) out, Tensor x, Tensor weight, Tensor scales) -> ()");
   m.def("bf16_linear(Tensor(a!) out, Tensor x, Tensor weight) -> ()");
   m.def("f32_linear(Tensor(a!) out, Tensor x, Tensor weight) -> ()");
-  m.def("lora_apply(Tensor(a!) y, Tensor x, Tensor a, Tensor bt, Tensor row_slots, int width) -> ()");
+  m.def(
+      "lora_apply(Tensor(a!) y, Tensor x, Tensor a, Tensor bt, Tensor row_slots, Tensor spans)"
+      " -> ()");
   // No tensor argument, so no dispatch key: one implementation for every backend.
   m.def("bf16_linear_supported() -> bool", &kvserve::bf16_linear_supported);
   m.def("f32_linear_supported() -> bool", &kvserve::f32_linear_supported);
