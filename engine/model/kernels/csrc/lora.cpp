@@ -41,8 +41,6 @@ constexpr int kTile = kLanes * kTileVecs;
 // Rows sharing each weight load: kGroup * kTileVecs accumulators plus kTileVecs weights
 // stay in registers (20 of 32 zmm, 12 of 16 ymm).
 constexpr int kGroup = 4;
-// Expand items whose B rows are requested ahead of the one under way.
-constexpr int64_t kPrefetchTiles = 2;
 
 // GCC/Clang vector extensions: the compiler emits the widest vectors the build enables.
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
@@ -275,23 +273,6 @@ void expand_tail(const LoRAOperands<W>& op, const float* shrunk, const SlotRows&
   }
 }
 
-// Asks for the B rows an expand item will read, ahead of it: a tile reads 128 bytes from
-// each of its parts' rank rows, a row's width apart, which the hardware prefetchers do not
-// follow (a cold call, as in a step where each layer's adapters come from memory, took
-// twice as long as a warm one without this).
-template <typename W>
-void prefetch_tile(const LoRAOperands<W>& op, int64_t slot, int64_t c0) {
-  const int64_t c1 = std::min(c0 + kTile, op.out);
-  for (int64_t part = 0; part < op.parts; ++part) {
-    if (!op.reaches(slot, part, c0, c1)) continue;
-    for (int64_t k = part * op.rank; k < (part + 1) * op.rank; ++k) {
-      const char* row = reinterpret_cast<const char*>(op.bt + (slot * op.width + k) * op.out);
-      for (int64_t byte = c0 * sizeof(W); byte < c1 * static_cast<int64_t>(sizeof(W)); byte += 64)
-        __builtin_prefetch(row + byte);
-    }
-  }
-}
-
 // Calls fn(std::integral_constant<int, G>{}, i) for the rows [begin, end) of a slot in
 // groups of kGroup, then one smaller group.
 template <typename Fn>
@@ -394,13 +375,7 @@ void lora_rows(const LoRAOperands<W>& op, const W* x, const int64_t* slots, int6
     for (int64_t i = begin * num_shrinks / workers; i < end * num_shrinks / workers; ++i) shrink(i);
     shrunk_workers.fetch_add(end - begin, std::memory_order_acq_rel);
     while (shrunk_workers.load(std::memory_order_acquire) < workers) cpu_relax();
-    const int64_t first = begin * num_tiles / workers, last = end * num_tiles / workers;
-    for (int64_t i = first; i < last; ++i) {
-      for (int64_t ahead = i + 1; ahead < std::min(last, i + 1 + kPrefetchTiles); ++ahead)
-        if (ahead == first + 1 || ahead == i + kPrefetchTiles)
-          prefetch_tile(op, tiles[ahead].first, tiles[ahead].second);
-      expand(i);
-    }
+    for (int64_t i = begin * num_tiles / workers; i < end * num_tiles / workers; ++i) expand(i);
   });
 }
 
