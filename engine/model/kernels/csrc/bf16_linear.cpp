@@ -38,9 +38,8 @@ inline uint16_t to_bf16(float value) {
 
 KVSERVE_BF16_TARGET void bf16_linear_rows(uint16_t* op, const uint16_t* xp, const uint16_t* wp,
                                           int64_t rows, int64_t in, int64_t outs) {
-  // No prefetch: it measured no gain for bf16 rows (common.h, kPrefetchBytes).
   for_each_weight_row(
-      rows, outs, in, wp, false,
+      rows, outs, in, wp, prefetch_plan().bf16,
       [&](auto M, int64_t m, const uint16_t* w, float* dots) {
         dot_rows_bf16<decltype(M)::value>(xp + m * in, in, w, in, dots);
       },

@@ -242,13 +242,29 @@ void with_cache_type(at::ScalarType dtype, F&& f) {
 
 // How far ahead of the row it is reading a few-row GEMV asks for weight lines. Each thread
 // streams a contiguous range of rows, and where the hardware prefetcher keeps too few
-// lines in flight one core cannot reach the memory's rate on its own (measured on a
-// 2-vCPU Intel Xeon VM, a decode step's int8 projections: rows of 576 bytes 19 -> 31 GB/s,
-// above torch.sum's 25). 8 KiB was the best of 1-12 KiB there, at 1 and 4 rows. The int4
-// kernel takes it too: timed alone (weights warm in the VM's L3) it showed no gain, but
-// inside a decode step, where the weights come from DRAM, it cut an int4 step by ~10%
-// (4-16 KiB alike). The bf16 kernel measured no gain from it and does without.
-constexpr int64_t kPrefetchBytes = 8192;
+// lines in flight one core cannot reach the memory's rate on its own.
+//
+// Intel: into L2 (prefetcht1) 64 KiB ahead. On the 2-vCPU Xeon-AMX VM, decode steps of
+// the embedded model, alternating processes: bf16 20.8-22.0 -> 18.1-18.6 ms, int8
+// 12.3-13.3 -> 10.5-12.3 ms, int4 8.4-8.9 -> 8.2-8.5 ms against the former plan (into L1,
+// 8 KiB ahead, none for bf16, which had made a bf16 step slower). Lines parked in L2 leave
+// the L1 fill buffers to the loads, so more lines are in flight per core.
+// Other CPUs keep the plan they were tuned with (not yet measured with this one): 8 KiB
+// ahead, the best of 1-12 KiB at 1 and 4 rows then, and none for bf16, which showed no gain.
+struct PrefetchPlan {
+  int64_t distance;  // bytes ahead of the row being read
+  bool bf16;         // whether the bf16 kernel prefetches at all
+};
+
+inline const PrefetchPlan& prefetch_plan() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static const PrefetchPlan plan =
+      __builtin_cpu_is("intel") ? PrefetchPlan{65536, true} : PrefetchPlan{8192, false};
+#else
+  static const PrefetchPlan plan{8192, false};
+#endif
+  return plan;
+}
 
 // Asks for the cache lines of [start, start + bytes) into every cache level.
 inline void prefetch_lines(const void* start, int64_t bytes) {
@@ -256,11 +272,18 @@ inline void prefetch_lines(const void* start, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 3);
 }
 
-// Asks for the cache lines of [start + kPrefetchBytes, + bytes) that lie before `stop` (the
-// end of what this thread reads), into every cache level.
+// Asks for the cache lines of [start, start + bytes) into L2 (and L1 where the CPU does not
+// tell the levels apart).
+inline void prefetch_lines_l2(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 2);
+}
+
+// Asks for the cache lines of [start + distance, + bytes) that lie before `stop` (the end of
+// what this thread reads), into L2.
 inline void prefetch_ahead(const void* start, int64_t bytes, const void* stop) {
-  const char* p = static_cast<const char*>(start) + kPrefetchBytes;
-  prefetch_lines(p, std::min<int64_t>(bytes, static_cast<const char*>(stop) - p));
+  const char* p = static_cast<const char*>(start) + prefetch_plan().distance;
+  prefetch_lines_l2(p, std::min<int64_t>(bytes, static_cast<const char*>(stop) - p));
 }
 
 // The few-row GEMVs' outer loop (int8, int8 integer, bf16): each thread walks a
@@ -268,7 +291,7 @@ inline void prefetch_ahead(const void* start, int64_t bytes, const void* stop) {
 // weight row while it is in L1, up to four at a time. dots(M, first, w, out), with M a
 // std::integral_constant of 1..4, sets out[0..M) to activation rows [first, first + M)
 // against the weight row w; store(m, n, dot) writes one result. `prefetch`: ask for each
-// row's lines kPrefetchBytes ahead.
+// row's lines prefetch_plan().distance ahead.
 template <typename weight_t, typename Dots, typename Store>
 void for_each_weight_row(int64_t rows, int64_t outs, int64_t in, const weight_t* wp,
                          bool prefetch, const Dots& dots, const Store& store) {

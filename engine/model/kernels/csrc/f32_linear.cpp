@@ -100,8 +100,8 @@ KVSERVE_F32_TARGET inline void dot_tile_rows(int64_t take, const float* x, int64
 }
 
 // Each thread walks a contiguous range of weight rows, kTileOuts at a time, asking for
-// their lines kPrefetchBytes ahead (they stream from memory, as int8's rows do), and runs
-// every activation row against them, four at a time, while they are in L1.
+// their lines ahead (common.h's prefetch_plan(): they stream from memory, as int8's rows
+// do), and runs every activation row against them, four at a time, while they are in L1.
 KVSERVE_F32_TARGET void f32_linear_rows(float* op, const float* xp, const float* wp, int64_t rows,
                                         int64_t in, int64_t outs) {
   at::parallel_for(0, outs, 64, [&](int64_t begin, int64_t end) {

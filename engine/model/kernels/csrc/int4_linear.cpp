@@ -277,7 +277,7 @@ void for_each_block(const Blocks& blocks, int64_t rows, int64_t outs, scalar_t* 
   at::parallel_for(0, blocks.count(), 1, [&](int64_t begin, int64_t end) {
     float results[kRowBlock * kBlockRows];
     // The codes and the params are two streams through this thread's blocks: each is asked
-    // for kPrefetchBytes ahead (common.h), no further than the thread's last full block.
+    // prefetch_plan().distance ahead (common.h), no further than the thread's last full block.
     const BlockView stop = blocks.stream_end(end);
     const int64_t code_bytes = blocks.groups() * kBlockGroupBytes;
     const int64_t param_bytes = blocks.groups() * kBlockGroupParams * sizeof(at::Half);
