@@ -522,6 +522,31 @@ def test_bf16_linear_matches_float32_math_within_bf16_rounding(native, rows, in_
     torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), atol=0.02, rtol=8e-3)
 
 
+@pytest.mark.parametrize("in_features", [100, 576, 1536])
+def test_bf16_linear_gives_a_row_the_same_bits_alone_and_in_a_batch(native, in_features):
+    """Each output is its own chain of products and one fixed sum of its lanes, whatever
+    rows and weight rows share its block: a row alone, the same row among eight, and the
+    same weight rows cut out of a larger matrix (1001 outputs: two threads' ranges and a
+    short last block) all give the same bits."""
+    _needs_avx512_bf16()
+    torch.manual_seed(in_features)
+    weight = torch.randn(1001, in_features).to(torch.bfloat16)
+    x = torch.randn(8, in_features).to(torch.bfloat16)
+    batch = torch.empty(8, 1001, dtype=torch.bfloat16)
+    torch.ops.kvserve.bf16_linear(batch, x, weight)
+    for row in range(8):
+        alone = torch.empty(1, 1001, dtype=torch.bfloat16)
+        torch.ops.kvserve.bf16_linear(alone, x[row : row + 1].contiguous(), weight)
+        assert torch.equal(alone[0], batch[row])
+    part = torch.empty(8, 7, dtype=torch.bfloat16)
+    torch.ops.kvserve.bf16_linear(part, x, weight[3:10].contiguous())
+    assert torch.equal(part, batch[:, 3:10])
+    exact = x.float() @ weight.float().T
+    torch.testing.assert_close(
+        batch.float(), exact.to(torch.bfloat16).float(), atol=0.06, rtol=8e-3
+    )
+
+
 def test_bf16_linear_refuses_what_it_cannot_serve(native):
     _needs_avx512_bf16()
     x = torch.randn(2, 64, dtype=torch.bfloat16)

@@ -1,7 +1,8 @@
 // bf16 dot products on CPUs with AVX512_BF16 (vdpbf16ps: 32 products per instruction,
-// float32 sums), shared by the few-row bf16 linear (bf16_linear.cpp) and LoRA's shrink
-// (lora.cpp). Compiled for AVX512_BF16 whatever the build machine (a target attribute);
-// callers check bf16_linear_supported() (ops.h) before calling.
+// float32 sums): the target attribute every bf16 kernel compiles under (bf16_linear.cpp,
+// lora.cpp), and LoRA's shrink, one weight row against a few activation rows. Compiled for
+// AVX512_BF16 whatever the build machine; callers check bf16_linear_supported() (ops.h)
+// before calling.
 #pragma once
 
 #include <algorithm>

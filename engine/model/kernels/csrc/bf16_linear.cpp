@@ -6,10 +6,12 @@
 // called where the CPU has it: bf16_linear_supported() reads the CPU's features at run
 // time, so one build serves AVX2-only and AVX-512 machines alike.
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <cstring>
 
-#include "bf16_dot.h"
+#include "bf16_dot.h"  // KVSERVE_BF16_TARGET
 #include "common.h"
 #include "ops.h"
 
@@ -36,14 +38,109 @@ inline uint16_t to_bf16(float value) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
-KVSERVE_BF16_TARGET void bf16_linear_rows(uint16_t* op, const uint16_t* xp, const uint16_t* wp,
-                                          int64_t rows, int64_t in, int64_t outs) {
-  for_each_weight_row(
-      rows, outs, in, wp, prefetch_plan().bf16,
-      [&](auto M, int64_t m, const uint16_t* w, float* dots) {
-        dot_rows_bf16<decltype(M)::value>(xp + m * in, in, w, in, dots);
-      },
-      [&](int64_t m, int64_t n, float dot) { op[m * outs + n] = to_bf16(dot); });
+// [sum(a), sum(b), sum(c), sum(d)]: each vector's 16 lanes summed by one fixed tree,
+// whatever vectors sit beside it, so a result does not depend on the block it came in.
+KVSERVE_BF16_TARGET inline __m128 lane_sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  // Fold each vector's four 128-bit quarters to one: quarter q of abcd is (a, b, c, d)[q]'s
+  // (q0 + q2) + (q1 + q3).
+  const __m512 ab =
+      _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd =
+      _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  const __m512 abcd =
+      _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  // Then the four floats of each quarter, and lane 0 of each quarter is its vector's sum.
+  __m512 sums = _mm512_add_ps(abcd, _mm512_permute_ps(abcd, 0x4E));
+  sums = _mm512_add_ps(sums, _mm512_permute_ps(sums, 0xB1));
+  const __m512i firsts = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, sums));
+}
+
+// out[m][r] = x[m] . w[r] for M activation rows against R consecutive weight rows (R <= 4)
+// of `in` elements. Each weight chunk is loaded once and feeds M rows, and the M x R sums
+// are independent chains, so the dot products overlap instead of waiting on each other
+// (1.6-1.9x the former one-weight-row kernel's products per second, weights in L2).
+// `ahead`: where to ask for lines into L2 (common.h's prefetch_plan()), one per line
+// this block reads, spread over the loop so the requests do not queue up in one burst;
+// null for none.
+template <int M, int R>
+KVSERVE_BF16_TARGET inline void dot_block(const uint16_t* x, const uint16_t* w, int64_t in,
+                                          const char* ahead, float out[][4]) {
+  __m512 acc[M][4];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
+  __m512bh wk[R];
+  int64_t k = 0;
+  for (; k + 32 <= in; k += 32) {
+    for (int r = 0; r < R; ++r) {
+      if (ahead != nullptr) _mm_prefetch(ahead + 2 * (r * in + k), _MM_HINT_T1);
+      wk[r] = (__m512bh)_mm512_loadu_si512(w + r * in + k);
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xk = (__m512bh)_mm512_loadu_si512(x + m * in + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xk, wk[r]);
+    }
+  }
+  if (k < in) {  // a masked tail: the zeros past it add nothing
+    const __mmask32 keep = (__mmask32(1) << (in - k)) - 1;
+    for (int r = 0; r < R; ++r) wk[r] = (__m512bh)_mm512_maskz_loadu_epi16(keep, w + r * in + k);
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xk = (__m512bh)_mm512_maskz_loadu_epi16(keep, x + m * in + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xk, wk[r]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    _mm_storeu_ps(out[m], lane_sums4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+  }
+}
+
+template <int R>
+KVSERVE_BF16_TARGET inline void dot_rows(int64_t rows, const uint16_t* x, const uint16_t* w,
+                                         int64_t in, const char* ahead, float out[][4]) {
+  switch (rows) {
+    case 4: dot_block<4, R>(x, w, in, ahead, out); break;
+    case 3: dot_block<3, R>(x, w, in, ahead, out); break;
+    case 2: dot_block<2, R>(x, w, in, ahead, out); break;
+    default: dot_block<1, R>(x, w, in, ahead, out); break;
+  }
+}
+
+// Output blocks [begin, end) of four weight rows (the last may be short), every activation
+// row against each block while it is in L1, four rows at a time.
+KVSERVE_BF16_TARGET void bf16_linear_blocks(uint16_t* op, const uint16_t* xp, const uint16_t* wp,
+                                            int64_t rows, int64_t in, int64_t outs,
+                                            int64_t begin, int64_t end) {
+  const PrefetchPlan& plan = prefetch_plan();
+  const char* stop = reinterpret_cast<const char*>(wp + std::min(end * 4, outs) * in);
+  float out[4][4];
+  for (int64_t block = begin; block < end; ++block) {
+    const int64_t n = block * 4;
+    const int64_t width = std::min<int64_t>(4, outs - n);
+    const uint16_t* w = wp + n * in;
+    const char* ahead = reinterpret_cast<const char*>(w) + plan.distance;
+    if (!plan.bf16 || ahead + width * in * 2 > stop) ahead = nullptr;
+    for (int64_t m = 0; m < rows; m += 4) {
+      const int64_t take = std::min<int64_t>(4, rows - m);
+      const char* once = m == 0 ? ahead : nullptr;  // later rows find the lines in L1
+      switch (width) {
+        case 4: dot_rows<4>(take, xp + m * in, w, in, once, out); break;
+        case 3: dot_rows<3>(take, xp + m * in, w, in, once, out); break;
+        case 2: dot_rows<2>(take, xp + m * in, w, in, once, out); break;
+        default: dot_rows<1>(take, xp + m * in, w, in, once, out); break;
+      }
+      for (int64_t r = 0; r < take; ++r) {
+        for (int64_t j = 0; j < width; ++j) op[(m + r) * outs + n + j] = to_bf16(out[r][j]);
+      }
+    }
+  }
+}
+
+void bf16_linear_rows(uint16_t* op, const uint16_t* xp, const uint16_t* wp, int64_t rows,
+                      int64_t in, int64_t outs) {
+  // Each thread takes a contiguous range of blocks: one stream through the weights apiece.
+  at::parallel_for(0, (outs + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+    bf16_linear_blocks(op, xp, wp, rows, in, outs, begin, end);
+  });
 }
 
 }  // namespace

@@ -286,7 +286,7 @@ inline void prefetch_ahead(const void* start, int64_t bytes, const void* stop) {
   prefetch_lines_l2(p, std::min<int64_t>(bytes, static_cast<const char*>(stop) - p));
 }
 
-// The few-row GEMVs' outer loop (int8, int8 integer, bf16): each thread walks a
+// The int8 few-row GEMVs' outer loop (float and integer activations): each thread walks a
 // contiguous range of weight rows of `in` elements, and every activation row meets a
 // weight row while it is in L1, up to four at a time. dots(M, first, w, out), with M a
 // std::integral_constant of 1..4, sets out[0..M) to activation rows [first, first + M)
