@@ -481,6 +481,28 @@ def test_int8_integer_linear_matches_group_quantized_math(native, rows, in_featu
         torch.testing.assert_close(linear(x), out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_integer_linear_gives_a_row_the_same_bits_alone_and_in_a_batch(native, dtype):
+    """A row's result does not depend on the rows or weight rows beside it: alone, among
+    eight, and for weight rows cut out of a larger matrix (1001 outputs: two threads'
+    ranges and a short last block), the same bits."""
+    _needs_integer_int8()
+    torch.manual_seed(1001)
+    linear = Int8Linear.from_dense(torch.randn(1001, 576), rowwise=True)
+    assert linear.rowwise is not None
+    int8, scales = linear.rowwise
+    x = torch.randn(8, 576).to(dtype)
+    batch = torch.empty(8, 1001, dtype=dtype)
+    torch.ops.kvserve.int8_linear_vnni(batch, x, int8, scales)
+    for row in range(8):
+        alone = torch.empty(1, 1001, dtype=dtype)
+        torch.ops.kvserve.int8_linear_vnni(alone, x[row : row + 1].contiguous(), int8, scales)
+        assert torch.equal(alone[0], batch[row])
+    part = torch.empty(8, 7, dtype=dtype)
+    torch.ops.kvserve.int8_linear_vnni(part, x, int8[3:10].contiguous(), scales[3:10].contiguous())
+    assert torch.equal(part, batch[:, 3:10])
+
+
 def test_int8_integer_kernel_only_where_it_can_run(native):
     """The layer takes the integer kernel exactly when the CPU runs it (VNNI or AVX2) and
     in_features is a multiple of 64; the op refuses other shapes and mixed dtypes with a

@@ -13,6 +13,7 @@
 
 #include "bf16_dot.h"  // KVSERVE_BF16_TARGET
 #include "common.h"
+#include "lane_sums.h"
 #include "ops.h"
 
 namespace kvserve {
@@ -36,24 +37,6 @@ inline uint16_t to_bf16(float value) {
   if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN
   bits += 0x7fffu + ((bits >> 16) & 1u);
   return static_cast<uint16_t>(bits >> 16);
-}
-
-// [sum(a), sum(b), sum(c), sum(d)]: each vector's 16 lanes summed by one fixed tree,
-// whatever vectors sit beside it, so a result does not depend on the block it came in.
-KVSERVE_BF16_TARGET inline __m128 lane_sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  // Fold each vector's four 128-bit quarters to one: quarter q of abcd is (a, b, c, d)[q]'s
-  // (q0 + q2) + (q1 + q3).
-  const __m512 ab =
-      _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  const __m512 cd =
-      _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
-  const __m512 abcd =
-      _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
-  // Then the four floats of each quarter, and lane 0 of each quarter is its vector's sum.
-  __m512 sums = _mm512_add_ps(abcd, _mm512_permute_ps(abcd, 0x4E));
-  sums = _mm512_add_ps(sums, _mm512_permute_ps(sums, 0xB1));
-  const __m512i firsts = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
-  return _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, sums));
 }
 
 // out[m][r] = x[m] . w[r] for M activation rows against R consecutive weight rows (R <= 4)

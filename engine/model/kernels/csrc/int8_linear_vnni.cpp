@@ -13,10 +13,13 @@
 // Compiled for AVX512_VNNI whatever the build machine (a target attribute) and called only
 // where the CPU has it (int8_vnni_supported), so one build serves every x86 CPU.
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <vector>
 
 #include "common.h"
+#include "lane_sums.h"
 #include "ops.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -97,56 +100,94 @@ KVSERVE_VNNI_TARGET QuantizedRows quantize_rows(const scalar_t* x, int64_t rows,
   return q;
 }
 
-// out[m] = sum_g scale[m, g] * (x[m, g] . (w_g + 128)) - offset[m] for M activation rows
-// against one weight row: each 64-weight chunk is flipped once and feeds every row; two
-// accumulator chains per row (even and odd groups) hide the FMA latency.
-template <int M>
-KVSERVE_VNNI_TARGET inline void dot_rows_vnni(const QuantizedRows& q, int64_t first_row,
-                                              int64_t in, const int8_t* w, float* out) {
+// out[m][r] = sum_g scale[m, g] * (x[m, g] . (w[r]_g + 128)) - offset[m] for M activation
+// rows against R consecutive weight rows (R <= 4): each 64-weight chunk is flipped once and
+// feeds every row, and the M x R sums are independent chains, summed at the end by one
+// fixed lane tree per output (lane_sums.h), so a row's result does not depend on its block.
+// `ahead`: where to ask for lines into L2 (common.h's prefetch_plan()), one per chunk read;
+// null for none.
+template <int M, int R>
+KVSERVE_VNNI_TARGET inline void dot_block_vnni(const QuantizedRows& q, int64_t first_row,
+                                               int64_t in, const int8_t* w, const char* ahead,
+                                               float out[][4]) {
   const int64_t groups = q.groups;
   const int8_t* x = q.values.data() + first_row * in;
   const float* scales = q.scales.data() + first_row * groups;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512 acc[M][2];
-  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  int64_t g = 0;
-  for (; g + 2 <= groups; g += 2) {
-    const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(w + g * kGroup), flip);
-    const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(w + (g + 1) * kGroup), flip);
-    for (int m = 0; m < M; ++m) {
-      const int8_t* xm = x + m * in + g * kGroup;
-      const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(xm));
-      const __m512i d1 =
-          _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1, _mm512_loadu_si512(xm + kGroup));
-      const float* s = scales + m * groups + g;
-      acc[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_set1_ps(s[0]), acc[m][0]);
-      acc[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_set1_ps(s[1]), acc[m][1]);
+  __m512 acc[M][4];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
+  __m512i wg[R];
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int r = 0; r < R; ++r) {
+      if (ahead != nullptr) _mm_prefetch(ahead + r * in + g * kGroup, _MM_HINT_T1);
+      wg[r] = _mm512_xor_si512(_mm512_loadu_si512(w + r * in + g * kGroup), flip);
     }
-  }
-  if (g < groups) {  // an odd group count
-    const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(w + g * kGroup), flip);
     for (int m = 0; m < M; ++m) {
-      const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0,
-                                             _mm512_loadu_si512(x + m * in + g * kGroup));
-      acc[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0),
-                                  _mm512_set1_ps(scales[m * groups + g]), acc[m][0]);
+      const __m512i xg = _mm512_loadu_si512(x + m * in + g * kGroup);
+      const __m512 scale = _mm512_set1_ps(scales[m * groups + g]);
+      for (int r = 0; r < R; ++r) {
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wg[r], xg);
+        acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[m][r]);
+      }
     }
   }
   for (int m = 0; m < M; ++m) {
-    out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) - q.offsets[first_row + m];
+    const __m128 sums = lane_sums4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
+    _mm_storeu_ps(out[m], _mm_sub_ps(sums, _mm_set1_ps(q.offsets[first_row + m])));
+  }
+}
+
+template <int R>
+KVSERVE_VNNI_TARGET inline void dot_rows_vnni(int64_t rows, const QuantizedRows& q,
+                                              int64_t first_row, int64_t in, const int8_t* w,
+                                              const char* ahead, float out[][4]) {
+  switch (rows) {
+    case 4: dot_block_vnni<4, R>(q, first_row, in, w, ahead, out); break;
+    case 3: dot_block_vnni<3, R>(q, first_row, in, w, ahead, out); break;
+    case 2: dot_block_vnni<2, R>(q, first_row, in, w, ahead, out); break;
+    default: dot_block_vnni<1, R>(q, first_row, in, w, ahead, out); break;
+  }
+}
+
+// Output blocks [begin, end) of four weight rows (the last may be short), every activation
+// row against each block while it is in L1, four rows at a time; out = dot * scale[n].
+template <typename scalar_t>
+KVSERVE_VNNI_TARGET void vnni_blocks(scalar_t* op, const QuantizedRows& q, const int8_t* wp,
+                                     const float* sp, int64_t rows, int64_t in, int64_t outs,
+                                     int64_t begin, int64_t end) {
+  const char* stop = reinterpret_cast<const char*>(wp + std::min(end * 4, outs) * in);
+  float out[4][4];
+  for (int64_t block = begin; block < end; ++block) {
+    const int64_t n = block * 4;
+    const int64_t width = std::min<int64_t>(4, outs - n);
+    const int8_t* w = wp + n * in;
+    const char* ahead = reinterpret_cast<const char*>(w) + prefetch_plan().distance;
+    if (ahead + width * in > stop) ahead = nullptr;
+    for (int64_t m = 0; m < rows; m += 4) {
+      const int64_t take = std::min<int64_t>(4, rows - m);
+      const char* once = m == 0 ? ahead : nullptr;  // later rows find the lines in L1
+      switch (width) {
+        case 4: dot_rows_vnni<4>(take, q, m, in, w, once, out); break;
+        case 3: dot_rows_vnni<3>(take, q, m, in, w, once, out); break;
+        case 2: dot_rows_vnni<2>(take, q, m, in, w, once, out); break;
+        default: dot_rows_vnni<1>(take, q, m, in, w, once, out); break;
+      }
+      for (int64_t r = 0; r < take; ++r) {
+        for (int64_t j = 0; j < width; ++j) op[(m + r) * outs + n + j] = out[r][j] * sp[n + j];
+      }
+    }
   }
 }
 
 template <typename scalar_t>
-KVSERVE_VNNI_TARGET void vnni_rows(scalar_t* op, const scalar_t* xp, const int8_t* wp,
-                                   const float* sp, int64_t rows, int64_t in, int64_t outs) {
+void vnni_rows(scalar_t* op, const scalar_t* xp, const int8_t* wp, const float* sp, int64_t rows,
+               int64_t in, int64_t outs) {
   const QuantizedRows q = quantize_rows(xp, rows, in);
-  for_each_weight_row(
-      rows, outs, in, wp, true,
-      [&](auto M, int64_t m, const int8_t* w, float* dots) {
-        dot_rows_vnni<decltype(M)::value>(q, m, in, w, dots);
-      },
-      [&](int64_t m, int64_t n, float dot) { op[m * outs + n] = dot * sp[n]; });
+  // Each thread takes a contiguous range of blocks: one stream through the weights apiece.
+  at::parallel_for(0, (outs + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+    vnni_blocks(op, q, wp, sp, rows, in, outs, begin, end);
+  });
 }
 
 }  // namespace
