@@ -286,21 +286,21 @@ inline void prefetch_ahead(const void* start, int64_t bytes, const void* stop) {
   prefetch_lines_l2(p, std::min<int64_t>(bytes, static_cast<const char*>(stop) - p));
 }
 
-// The int8 few-row GEMVs' outer loop (float and integer activations): each thread walks a
-// contiguous range of weight rows of `in` elements, and every activation row meets a
-// weight row while it is in L1, up to four at a time. dots(M, first, w, out), with M a
+// The int8 few-row GEMVs' outer loop (the float kernel, the integer kernel's AVX2 form):
+// each thread walks a contiguous range of weight rows of `in` elements, and every
+// activation row meets a weight row while it is in L1, up to four at a time. dots(M, first, w, out), with M a
 // std::integral_constant of 1..4, sets out[0..M) to activation rows [first, first + M)
-// against the weight row w; store(m, n, dot) writes one result. `prefetch`: ask for each
-// row's lines prefetch_plan().distance ahead.
+// against the weight row w; store(m, n, dot) writes one result. Each row's lines are asked
+// for prefetch_plan().distance ahead.
 template <typename weight_t, typename Dots, typename Store>
 void for_each_weight_row(int64_t rows, int64_t outs, int64_t in, const weight_t* wp,
-                         bool prefetch, const Dots& dots, const Store& store) {
+                         const Dots& dots, const Store& store) {
   at::parallel_for(0, outs, 64, [&](int64_t begin, int64_t end) {
     float out[4];
     const weight_t* stop = wp + end * in;
     for (int64_t n = begin; n < end; ++n) {
       const weight_t* w = wp + n * in;
-      if (prefetch) prefetch_ahead(w, in * static_cast<int64_t>(sizeof(weight_t)), stop);
+      prefetch_ahead(w, in * static_cast<int64_t>(sizeof(weight_t)), stop);
       for (int64_t m = 0; m < rows; m += 4) {
         const int64_t take = std::min<int64_t>(4, rows - m);
         switch (take) {

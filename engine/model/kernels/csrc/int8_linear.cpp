@@ -89,7 +89,7 @@ void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
   vectorised = in % 32 == 0;
 #endif
   for_each_weight_row(
-      rows, outs, in, wp, true,
+      rows, outs, in, wp,
       [&](auto M, int64_t m, const int8_t* w, float* dots) {
         const float* xm = xp + m * in;
 #ifdef KVSERVE_AVX2

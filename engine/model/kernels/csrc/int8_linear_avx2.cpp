@@ -110,7 +110,7 @@ void avx2_rows(scalar_t* op, const scalar_t* xp, const int8_t* wp, const float* 
                int64_t rows, int64_t in, int64_t outs) {
   const SignedRows q = quantize_signed(xp, rows, in);
   for_each_weight_row(
-      rows, outs, in, wp, true,
+      rows, outs, in, wp,
       [&](auto M, int64_t m, const int8_t* w, float* dots) {
         dot_rows_avx2<decltype(M)::value>(q, m, in, w, dots);
       },
