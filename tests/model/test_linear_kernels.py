@@ -190,6 +190,30 @@ def test_bf16_linear_gives_a_row_the_same_bits_alone_and_in_a_batch(native, in_f
     )
 
 
+def test_bf16_linear_rounds_each_output_to_nearest_even_as_torch_does(native):
+    """The kernel's float32 sums are rounded to bf16 as torch rounds them, ties to even,
+    through both of its stores: a full block of four outputs and a short last block. The
+    sums here are exact in float32 and sit on bf16 ties, past bf16's range, or are NaN."""
+    _needs_avx512_bf16()
+    tiny, step = 2.0**-8, 2.0**-7  # half a bf16 ulp of 1.0, and a whole one
+    big = float(torch.finfo(torch.bfloat16).max)
+    pairs = [
+        (1.0, tiny),  # a tie below an even mantissa: down to 1.0
+        (1.0 + step, tiny),  # a tie below an odd one: up to 1 + 2 ulp
+        (-(1.0 + step), -tiny),  # the same, negative
+        (1.0, tiny / 2),  # under half an ulp: down
+        (big, big),  # past float32's range: inf
+        (float("nan"), 1.0),  # NaN stays NaN
+    ]
+    weight = torch.tensor(pairs, dtype=torch.bfloat16)  # six outputs: blocks of 4 and 2
+    x = torch.ones(5, 2, dtype=torch.bfloat16)  # five rows: passes of 4 and 1
+    out = torch.empty(5, len(pairs), dtype=torch.bfloat16)
+    torch.ops.kvserve.bf16_linear(out, x, weight)
+    expected = (x.float() @ weight.float().T).to(torch.bfloat16)
+    assert expected[0, :4].float().tolist() == [1.0, 1.0 + 2 * step, -(1.0 + 2 * step), 1.0]
+    torch.testing.assert_close(out, expected, atol=0, rtol=0, equal_nan=True)
+
+
 def test_bf16_linear_refuses_what_it_cannot_serve(native):
     _needs_avx512_bf16()
     x = torch.randn(2, 64, dtype=torch.bfloat16)

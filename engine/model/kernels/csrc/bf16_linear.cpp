@@ -39,6 +39,21 @@ inline uint16_t to_bf16(float value) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// Four float32 -> bf16 stored at dst, each rounded as to_bf16 rounds it (nearest even, a
+// NaN kept and made quiet): one store for a full block's row instead of four scalar
+// conversions (~10% of an 8-row call).
+KVSERVE_BF16_TARGET inline void store_bf16x4(uint16_t* dst, const float* src) {
+  const __m128i bits = _mm_castps_si128(_mm_loadu_ps(src));
+  const __m128i high = _mm_srli_epi32(bits, 16);
+  const __m128i bias = _mm_add_epi32(_mm_and_si128(high, _mm_set1_epi32(1)), _mm_set1_epi32(0x7fff));
+  const __m128i rounded = _mm_srli_epi32(_mm_add_epi32(bits, bias), 16);
+  const __m128i quiet = _mm_or_si128(high, _mm_set1_epi32(0x40));
+  const __m128i magnitude = _mm_and_si128(bits, _mm_set1_epi32(0x7fffffff));
+  const __m128i nan = _mm_cmpgt_epi32(magnitude, _mm_set1_epi32(0x7f800000));
+  const __m128i halves = _mm_blendv_epi8(rounded, quiet, nan);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi32(halves, halves));
+}
+
 // out[m][r] = x[m] . w[r] for M activation rows against R consecutive weight rows (R <= 4)
 // of `in` elements. Each weight chunk is loaded once and feeds M rows, and the M x R sums
 // are independent chains, so the dot products overlap instead of waiting on each other
@@ -112,7 +127,12 @@ KVSERVE_BF16_TARGET void bf16_linear_blocks(uint16_t* op, const uint16_t* xp, co
         default: dot_rows<1>(take, xp + m * in, w, in, once, out); break;
       }
       for (int64_t r = 0; r < take; ++r) {
-        for (int64_t j = 0; j < width; ++j) op[(m + r) * outs + n + j] = to_bf16(out[r][j]);
+        uint16_t* row = op + (m + r) * outs + n;
+        if (width == 4) {
+          store_bf16x4(row, out[r]);
+          continue;
+        }
+        for (int64_t j = 0; j < width; ++j) row[j] = to_bf16(out[r][j]);
       }
     }
   }
