@@ -553,14 +553,16 @@ def parameter_bytes(weights: Any, decode: bool = False) -> int:
     walks), or with ``decode`` the bytes a one-row call reads (``Linear.decode_nbytes``).
     With ``decode``, an object with ``active_decode_bytes()`` (an MoE block, whose
     one-token step reads only its chosen experts) is asked rather than walked; so is, in
-    either case, any other object with ``nbytes`` and ``decode_nbytes``."""
+    either case, any other object with ``nbytes`` and ``decode_nbytes``. A dataclass's
+    fields outside its ``__init__`` are caches built from the others (an MoE block's
+    router and native view) and are not counted again."""
     if isinstance(weights, torch.Tensor):
         return _tensor_bytes(weights)
     active = getattr(weights, "active_decode_bytes", None) if decode else None
     if active is not None:
         return int(active())
     if dataclasses.is_dataclass(weights) and not isinstance(weights, type):
-        fields = dataclasses.fields(weights)
+        fields = [f for f in dataclasses.fields(weights) if f.init]
         return sum(parameter_bytes(getattr(weights, f.name), decode) for f in fields)
     if isinstance(weights, (list, tuple)):
         return sum(parameter_bytes(item, decode) for item in weights)
