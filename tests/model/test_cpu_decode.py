@@ -11,11 +11,15 @@ import torch
 
 from engine.model.kernels.metadata import SequenceChunk, build_metadata
 from engine.model.kernels.native import NativeKernels, load_native_ops
+from engine.model.layers.attention import QK_NORM_ALL_HEADS, QK_NORM_PER_HEAD
 from engine.model.layers.decoder import DecoderModel
 from engine.model.layers.linear import DenseLinear
+from engine.model.layers.moe import MoEMLP
 from engine.model.layers.quantize import quantize_weights
 from engine.model.loader import model_from_reference
 from engine.model.runtime.cpu_decode import MAX_ROWS, DecodeLayers
+from tests.model import family_models
+from tests.model.family_models import random_reference
 from tests.model.paged import BlockTables, make_cache, run_step
 
 pytestmark = pytest.mark.skipif(not load_native_ops(), reason="needs the native kernels")
@@ -53,7 +57,57 @@ def test_the_fast_path_is_bit_identical_to_the_python_loop(
     tiny_llama_factory, monkeypatch: pytest.MonkeyPatch, dtype, quantization
 ):
     _, reference = tiny_llama_factory(num_heads=4, num_kv_heads=2)
-    fast = native_model(reference, dtype, quantization)
+    assert_fast_path_matches_python(native_model(reference, dtype, quantization), monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral"])
+def test_qk_norm_and_expert_layers_take_the_fast_path_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch, family, dtype, quantization
+):
+    """Qwen3's per-head QK RMSNorm (head_dim 32 over a 64-wide hidden state) and mixtures
+    of experts (Qwen3-MoE with a dense first layer, Mixtral) run in the one native call,
+    bit-identical to the Python loop."""
+    build, _ = family_models.FAMILIES[family]
+    model = native_model(random_reference(build), dtype, quantization)
+    assert (model.options.qk_norm == QK_NORM_PER_HEAD) == family.startswith("qwen3")
+    experts = [isinstance(layer.mlp, MoEMLP) for layer in model.weights.layers]
+    assert any(experts) == (family != "qwen3")
+    assert_fast_path_matches_python(model, monkeypatch)
+
+
+def test_the_families_whose_layers_take_the_fast_path():
+    """Which families' decode steps the one native call serves (bf16): the Llama-shaped
+    ones, QK-normed and mixture-of-experts ones included; the rest (biases, post-norms,
+    multipliers, soft-capping, sinks, GELU, and Phi-3's partial LongRoPE here) keep the
+    Python loop."""
+    fast = {
+        family
+        for family, (build, _) in family_models.FAMILIES.items()
+        if native_model(random_reference(build), torch.bfloat16, "none").fast_decode is not None
+    }
+    assert fast == {"llama", "mistral", "ministral", "qwen3", "mixtral", "qwen3_moe"}
+
+
+def test_qk_norms_it_does_not_run_keep_the_python_loop():
+    """A QK-norm over all heads (OLMo 2's shape), or a layer missing one of its two
+    norms, is not what decode_layers computes: such models keep the Python loop."""
+    model = native_model(random_reference(family_models.qwen3), torch.float32, "none")
+    assert model.fast_decode is not None
+    options = dataclasses.replace(model.options, qk_norm=QK_NORM_ALL_HEADS)
+    all_heads = DecoderModel(model.spec, model.weights, model.ropes, model.kernels, options)
+    assert all_heads.fast_decode is None
+    layers = model.weights.layers
+    half = dataclasses.replace(layers[0].attention, k_norm=None)
+    lopsided = [dataclasses.replace(layers[0], attention=half), *layers[1:]]
+    weights = dataclasses.replace(model.weights, layers=lopsided)
+    assert model.replace(weights=weights).fast_decode is None
+
+
+def assert_fast_path_matches_python(fast: DecoderModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every decode step of ``decode_logits`` takes the native path, and its logits are
+    the Python loop's, bit for bit."""
     assert fast.fast_decode is not None
     python = fast.replace()
     python.fast_decode = None

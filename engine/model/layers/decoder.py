@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from engine.model.kernels.base import Kernels, TorchKernels
 from engine.model.kernels.metadata import AttentionMetadata
 from engine.model.kernels.params import AttentionParams
-from engine.model.layers.attention import AttentionLayer, AttentionWeights
+from engine.model.layers.attention import QK_NORM_PER_HEAD, AttentionLayer, AttentionWeights
 from engine.model.layers.linear import DenseLinear, Linear, parameter_bytes
 from engine.model.layers.lora import LoRABatch, unwrap
 from engine.model.layers.mlp import MLP, SILU, GatedMLP
@@ -249,9 +249,13 @@ class DecoderModel:
 def fast_decode_path(model: DecoderModel) -> DecodeLayers | None:
     """The native decode path for a model whose every layer is Llama-shaped (pre-norm in
     the model dtype, plain attention with one scale and one full-width RoPE table, no
-    QK-norm, a SwiGLU MLP) and whose residual is not scaled; None otherwise."""
+    QK-norm or Qwen3's per-head one, a SwiGLU MLP or a mixture of experts the native MoE op
+    runs) and whose residual is not scaled; None otherwise."""
     options = model.options
+    per_head = options.qk_norm == QK_NORM_PER_HEAD  # the one QK-norm the native path runs
     reshaped = dataclasses.replace(options, embedding_scale=None, attention_scale=None)
+    if per_head:
+        reshaped = dataclasses.replace(reshaped, qk_norm=None)
     if reshaped != DecoderOptions() or len(model.ropes) != 1:
         return None
     rope = next(iter(model.ropes.values()))
@@ -261,7 +265,7 @@ def fast_decode_path(model: DecoderModel) -> DecodeLayers | None:
     plain = all(p.softcap is None and p.sinks is None for p in (a.params for a in model.attention))
     if len(scales) != 1 or not plain:
         return None
-    layers = [_plain_layer(layer, model.dtype) for layer in model.weights.layers]
+    layers = [_plain_layer(layer, model.dtype, per_head) for layer in model.weights.layers]
     if any(layer is None for layer in layers):
         return None
     windows = [w for w in model.spec.layer_windows if w is not None]
@@ -270,22 +274,41 @@ def fast_decode_path(model: DecoderModel) -> DecodeLayers | None:
     )
 
 
-def _plain_layer(layer: LayerWeights, dtype: torch.dtype) -> PlainLayer | None:
+def _plain_layer(layer: LayerWeights, dtype: torch.dtype, qk_norm: bool) -> PlainLayer | None:
+    """The layer as ``decode_layers`` runs it (``qk_norm``: with its per-head QK-norm),
+    or None where it is shaped otherwise."""
     attention, mlp = layer.attention, layer.mlp
-    norms = (layer.input_norm, layer.pre_mlp_norm)
+    q_norm, k_norm = attention.q_norm, attention.k_norm
+    qk_norms = (q_norm, k_norm) if q_norm is not None and k_norm is not None else None
+    norms = (layer.input_norm, layer.pre_mlp_norm, *(qk_norms or ()))
     if (
         layer.post_attention_norm is not None
         or layer.post_mlp_norm is not None
-        or attention.q_norm is not None
+        or (qk_norms is not None) != qk_norm
+        or (q_norm is None) != (k_norm is None)
         or attention.sinks is not None
-        or not isinstance(mlp, GatedMLP)
-        or mlp.activation != SILU
+        or not _plain_feed_forward(mlp, dtype)
         or norms[0] is None
         or norms[1] is None
         or any(norm.dtype != dtype for norm in norms if norm is not None)
     ):
         return None
+    input_norm, mlp_norm = norms[0], norms[1]
+    assert input_norm is not None and mlp_norm is not None  # checked above; for mypy
     # With LoRA slots, the path runs the base projections: the decoder takes it only in a
     # step without adapter rows.
-    projections = (attention.qkv, attention.o_proj, mlp.gate_up, mlp.down)
-    return PlainLayer(norms[0], norms[1], *(unwrap(linear) for linear in projections))
+    qkv, o_proj = unwrap(attention.qkv), unwrap(attention.o_proj)
+    if isinstance(mlp, MoEMLP):
+        native = mlp.native_moe(dtype)
+        assert native is not None  # checked above
+        return PlainLayer(input_norm, mlp_norm, qkv, o_proj, None, None, qk_norms, native.weights)
+    assert isinstance(mlp, GatedMLP)
+    gate_up, down = unwrap(mlp.gate_up), unwrap(mlp.down)
+    return PlainLayer(input_norm, mlp_norm, qkv, o_proj, gate_up, down, qk_norms)
+
+
+def _plain_feed_forward(mlp: MLP, dtype: torch.dtype) -> bool:
+    """A SwiGLU MLP, or a mixture of experts the native MoE op runs on ``dtype``."""
+    if isinstance(mlp, MoEMLP):
+        return mlp.native_moe(dtype) is not None
+    return isinstance(mlp, GatedMLP) and mlp.activation == SILU

@@ -7,7 +7,9 @@ rotary, KV write, attention, SiLU) times thirty layers. ``torch.ops.kvserve.deco
 output is bit-identical to ``DecoderModel.forward``'s loop (tests/model/test_cpu_decode.py).
 
 It runs Llama-shaped layers only (``PlainLayer``: pre-norm attention and SwiGLU MLP, plain
-attention); the decoder decides whether a model's layers are (layers/decoder.py).
+attention), optionally with Qwen3's per-head QK-norm and with mixture-of-experts layers in
+place of the MLP (the native MoE op, runtime/cpu_moe.py); the decoder decides whether a
+model's layers are (layers/decoder.py).
 ``DecodeLayers.build`` describes each projection once, as the few-row kernel it takes and
 its tensors; ``serves`` says whether a step can take the path: at most ``MAX_ROWS`` decode
 rows (so every projection is on its few-row kernel) and no prefill, an unquantized KV
@@ -53,6 +55,10 @@ class LinearKind(enum.IntEnum):
     INT8_FLOAT = 3  # int8_linear on float32 activations: weights, per-row scales
     INT4 = 4  # int4_linear: packed codes, Q4_1 parameters
     DENSE_F32 = 5  # f32_linear: row-wise float32 weights (an MoE's experts) on AVX2 + FMA
+    UNUSED = -1  # decode_layers: no projection here (an MoE layer's gate_up and down)
+
+
+_UNUSED_OPERANDS = (LinearKind.UNUSED, _UNUSED, _UNUSED)
 
 
 def projection_operands(
@@ -72,6 +78,13 @@ def projection_operands(
     return None
 
 
+def _operands(
+    linear: Linear | None, dtype: torch.dtype
+) -> tuple[LinearKind, torch.Tensor, torch.Tensor] | None:
+    """``projection_operands``, with placeholders where there is no projection."""
+    return _UNUSED_OPERANDS if linear is None else projection_operands(linear, dtype)
+
+
 def dense_kind(linear: DenseLinear) -> LinearKind:
     """The kernel a dense projection takes: its few-row kernel where it is row-wise."""
     if not linear.rowwise:
@@ -82,14 +95,18 @@ def dense_kind(linear: DenseLinear) -> LinearKind:
 @dataclass(frozen=True)
 class PlainLayer:
     """One Llama-shaped layer as ``decode_layers`` runs it: RMSNorm (weight in the model
-    dtype), attention, residual add, RMSNorm, SwiGLU MLP, residual add."""
+    dtype), attention (with a per-head QK RMSNorm where the model has one), residual add,
+    RMSNorm, SwiGLU MLP or mixture of experts, residual add."""
 
     input_norm: torch.Tensor
     mlp_norm: torch.Tensor
     qkv: Linear
     o_proj: Linear
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | None  # None where the feed-forward is ``experts``
+    down: Linear | None
+    qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None  # per head: (q_norm, k_norm)
+    # A mixture of experts as moe_forward takes it (runtime/cpu_moe.py's NativeMoE.weights).
+    experts: torch.ScriptObject | None = None
 
 
 @dataclass(frozen=True)
@@ -97,28 +114,36 @@ class DecodeLayers:
     """The decoder's weights as ``decode_layers`` takes them."""
 
     weights: tuple[torch.Tensor, ...]  # per layer: 2 norms, then (a, b) x 4 projections
-    kinds: tuple[int, ...]  # per layer: the 4 projections' LinearKind
+    kinds: tuple[int, ...]  # per layer: the 4 projections' LinearKind (UNUSED: experts)
+    qk_norms: tuple[torch.Tensor, ...]  # per layer (q_norm, k_norm), or none at all
+    moe: torch.ScriptObject  # csrc/moe.h's MoELayers: the layers whose feed-forward is experts
     window: int | None = None  # the smallest sliding window of any layer
 
     @classmethod
     def build(cls, layers: Sequence[PlainLayer], window: int | None = None) -> DecodeLayers | None:
         """The path for these layers (whose smallest sliding window is ``window``), or
-        None where a projection has no few-row kernel (or a bias) or the weights are not
-        on the CPU."""
+        None where a projection has no few-row kernel (or a bias), the weights are not on
+        the CPU, or some layers have a QK-norm and others not."""
         if not layers or layers[0].input_norm.device.type != "cpu":
+            return None
+        if len({layer.qk_norms is None for layer in layers}) != 1:
             return None
         dtype = layers[0].input_norm.dtype
         tensors: list[torch.Tensor] = []
         kinds: list[int] = []
-        for layer in layers:
+        moe = torch.classes.kvserve.MoELayers(len(layers))
+        for index, layer in enumerate(layers):
             tensors += [layer.input_norm, layer.mlp_norm]
             for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
-                operands = projection_operands(linear, dtype)
+                operands = _operands(linear, dtype)
                 if operands is None:
                     return None
                 kinds.append(int(operands[0]))
                 tensors += operands[1:]
-        return cls(tuple(tensors), tuple(kinds), window)
+            if layer.experts is not None:
+                moe.set(index, layer.experts)
+        qk_norms = [norm for layer in layers for norm in layer.qk_norms or ()]
+        return cls(tuple(tensors), tuple(kinds), tuple(qk_norms), moe, window)
 
     def serves(self, meta: AttentionMetadata, cache: PagedKVCache) -> bool:
         """Whether a step can take the path: a few decodes, no prefill, a plain cache, and
@@ -154,6 +179,8 @@ class DecodeLayers:
             residual,
             self.weights,
             self.kinds,
+            self.qk_norms,
+            self.moe,
             cache.pool.key,
             cache.pool.value,
             meta.positions,

@@ -7,7 +7,8 @@ badly. The native op routes (the same ATen calls as layers/routing.py), runs the
 experts one per thread with the same kernels, and adds their outputs in the same order:
 bit-identical to the loop, but for int8 experts given more rows than their few-row kernel
 takes (four at a time here, fbgemm in Python). ``NativeMoE.build`` describes the layer
-once, as cpu_decode.py describes dense layers; layers/moe.py sends it decode-sized steps.
+once, as cpu_decode.py describes dense layers; layers/moe.py sends it decode-sized steps,
+and the one-call decode path (cpu_decode.py) runs it for a few decodes.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class NativeMoE:
     (csrc/moe.h), built once, so a step hands over one object rather than six tensors per
     expert."""
 
-    weights: object
+    weights: torch.ScriptObject
 
     @classmethod
     def build(

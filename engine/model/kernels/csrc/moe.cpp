@@ -215,6 +215,17 @@ MoEWeights::MoEWeights(std::vector<at::Tensor> experts, std::vector<int64_t> kin
               "the router is dense");
 }
 
+void MoELayers::set(int64_t layer, c10::intrusive_ptr<MoEWeights> weights) {
+  TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers.size()), "MoELayers: layer ",
+              layer, " out of range");
+  layers[layer] = std::move(weights);
+}
+
+const c10::intrusive_ptr<MoEWeights>* MoELayers::find(int64_t layer) const {
+  if (layer < 0 || layer >= static_cast<int64_t>(layers.size()) || !layers[layer]) return nullptr;
+  return &layers[layer];
+}
+
 void moe_forward(at::Tensor& out, const at::Tensor& x, const c10::intrusive_ptr<MoEWeights>& w) {
   check_cpu_contiguous(x, "x");
   check_cpu_contiguous(out, "out");

@@ -30,6 +30,17 @@ struct MoEWeights : torch::CustomClassHolder {
              bool renormalize, int64_t activation, double alpha, double limit);
 };
 
+// Which decoder layers are mixtures of experts, for decode_layers.cpp: built once per model
+// (engine/model/runtime/cpu_decode.py), one set() per MoE layer; the other layers hold none.
+struct MoELayers : torch::CustomClassHolder {
+  std::vector<c10::intrusive_ptr<MoEWeights>> layers;  // null where the layer is dense
+
+  explicit MoELayers(int64_t count) : layers(count) {}
+  void set(int64_t layer, c10::intrusive_ptr<MoEWeights> weights);
+  // The layer's experts, or null for a dense layer.
+  const c10::intrusive_ptr<MoEWeights>* find(int64_t layer) const;
+};
+
 // out = sum over each token's top_k experts of weight * expert(x[token]), router included.
 void moe_forward(at::Tensor& out, const at::Tensor& x, const c10::intrusive_ptr<MoEWeights>& w);
 

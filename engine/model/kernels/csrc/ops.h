@@ -11,6 +11,8 @@
 
 #include <optional>
 
+#include "moe.h"
+
 namespace kvserve {
 
 // elementwise.cpp
@@ -80,6 +82,7 @@ void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight
 
 // decode_layers.cpp
 at::Tensor decode_layers(at::Tensor& residual, at::TensorList weights, at::IntArrayRef kinds,
+                         at::TensorList qk_norms, const c10::intrusive_ptr<MoELayers>& moe,
                          at::Tensor& key_cache, at::Tensor& value_cache,
                          const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& slots, const at::Tensor& block_tables,

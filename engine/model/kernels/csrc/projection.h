@@ -19,6 +19,7 @@ enum LinearKind : int64_t {
   kInt8Float = 3,    // int8_linear on float32 activations: weight, per-row scales
   kInt4 = 4,         // int4_linear: packed codes, (scale, minimum) params
   kDenseF32 = 5,     // f32_linear: a float32 MoE's experts on a CPU with AVX2 + FMA
+  kUnused = -1,      // decode_layers: no projection (an MoE layer's gate_up and down)
 };
 
 // Rows up to which a layer takes its few-row kernel: linear.py's BF16_ROWWISE_MAX_ROWS,

@@ -42,17 +42,22 @@ TORCH_LIBRARY(kvserve, m) {
   m.def(
       "apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, int[] rows, int[] mask_rows, "
       "int vocab_size) -> ()");
-  m.def(
-      "decode_layers(Tensor(a!) residual, Tensor[] weights, int[] kinds, Tensor(b!) key_cache, "
-      "Tensor(c!) value_cache, Tensor positions, Tensor cos, Tensor sin, Tensor slots, "
-      "Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, int head_dim, "
-      "float eps, float scale) -> Tensor");
   m.class_<kvserve::MoEWeights>("MoEWeights")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, at::Tensor, at::Tensor,
                        int64_t, int64_t, int64_t, bool, int64_t, double, double>());
+  m.class_<kvserve::MoELayers>("MoELayers")
+      .def(torch::init<int64_t>())
+      .def("set", &kvserve::MoELayers::set);
   m.def(
       "moe_forward(Tensor(a!) out, Tensor x, __torch__.torch.classes.kvserve.MoEWeights weights) "
       "-> ()");
+  // After MoELayers, which its schema names.
+  m.def(
+      "decode_layers(Tensor(a!) residual, Tensor[] weights, int[] kinds, Tensor[] qk_norms, "
+      "__torch__.torch.classes.kvserve.MoELayers moe, Tensor(b!) key_cache, "
+      "Tensor(c!) value_cache, Tensor positions, Tensor cos, Tensor sin, Tensor slots, "
+      "Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, int head_dim, "
+      "float eps, float scale) -> Tensor");
   m.def("copy_blocks_serial_(Tensor(a!) dst, Tensor src, int[] src_blocks, int[] dst_blocks) -> ()");
 }
 
