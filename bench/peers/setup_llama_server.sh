@@ -6,6 +6,13 @@
 #   bench/peers/setup_llama_server.sh [PREFIX]     # default PREFIX: /tmp/llama-server
 #   python bench/compare_servers.py --servers llama-server --llama-server PREFIX/bin/llama-server
 #
+# It also installs `llama-quantize` and the sources' `convert_hf_to_gguf.py` (with the
+# `conversion` and `gguf-py` packages it imports) under PREFIX, to turn a Hugging Face
+# directory into a GGUF of any llama.cpp type (bench/bench_moe.py --serve):
+#
+#   python PREFIX/convert_hf_to_gguf.py DIR --outtype bf16 --outfile moe-bf16.gguf
+#   PREFIX/bin/llama-quantize moe-bf16.gguf moe-q4_0.gguf Q4_0
+#
 # Needs cmake, a C++ compiler and pip (PyPI). About 6 minutes on two cores; GGML_NATIVE=ON
 # tunes it for this CPU (the binary is not portable to older CPUs). LLAMA_CMAKE_ARGS adds
 # cmake options: an AVX2-only build on an AVX-512 machine, for timing the AVX2 class there:
@@ -34,9 +41,10 @@ cmake -S "$SRC" -B "$WORK/build" \
     -DLLAMA_BUILD_SERVER=ON \
     -DBUILD_SHARED_LIBS=OFF \
     ${LLAMA_CMAKE_ARGS:-}
-cmake --build "$WORK/build" --target llama-server -j "$JOBS"
+cmake --build "$WORK/build" --target llama-server llama-quantize -j "$JOBS"
 
 mkdir -p "$PREFIX/bin"
-cp "$WORK/build/bin/llama-server" "$PREFIX/bin/llama-server"
+cp "$WORK/build/bin/llama-server" "$WORK/build/bin/llama-quantize" "$PREFIX/bin/"
+cp -r "$SRC/convert_hf_to_gguf.py" "$SRC/conversion" "$SRC/gguf-py" "$PREFIX/"
 "$PREFIX/bin/llama-server" --version
 echo "llama-server: $PREFIX/bin/llama-server"
