@@ -86,6 +86,7 @@ def test_the_kernel_tests_pass_on_the_avx2_family():
         AVX2_ONLY,
         "tests/model/test_native_kernels.py",
         "tests/model/test_linear_kernels.py",
+        "tests/model/test_cpu_decode.py",
         "tests/model/test_attention_variants.py",
         "tests/model/test_int4_weights.py::test_int4_linear_computes_its_reference",
     )
