@@ -45,7 +45,8 @@ inline uint16_t to_bf16(float value) {
 KVSERVE_BF16_TARGET inline void store_bf16x4(uint16_t* dst, const float* src) {
   const __m128i bits = _mm_castps_si128(_mm_loadu_ps(src));
   const __m128i high = _mm_srli_epi32(bits, 16);
-  const __m128i bias = _mm_add_epi32(_mm_and_si128(high, _mm_set1_epi32(1)), _mm_set1_epi32(0x7fff));
+  const __m128i odd = _mm_and_si128(high, _mm_set1_epi32(1));
+  const __m128i bias = _mm_add_epi32(odd, _mm_set1_epi32(0x7fff));
   const __m128i rounded = _mm_srli_epi32(_mm_add_epi32(bits, bias), 16);
   const __m128i quiet = _mm_or_si128(high, _mm_set1_epi32(0x40));
   const __m128i magnitude = _mm_and_si128(bits, _mm_set1_epi32(0x7fffffff));

@@ -8,8 +8,8 @@
 //
 // Each projection arrives as a kind and two tensors (engine/model/runtime/cpu_decode.py
 // builds them once per model; projection.h runs them): the few-row kernel it takes, its
-// weight, and its scales or Q4_1 parameters. Steps of a few decode rows only: every projection is then on its few-row
-// kernel, and there is no prefill to attend.
+// weight, and its scales or Q4_1 parameters. Steps of a few decode rows only: every
+// projection is then on its few-row kernel, and there is no prefill to attend.
 
 #include <ATen/ATen.h>
 
@@ -77,8 +77,8 @@ void normalize_qk_per_head(at::Tensor& qkv, const at::Tensor& q_norm, const at::
 // DecoderModel.forward does. weights: per layer input_norm, post_norm, then (a, b) of qkv,
 // o_proj, gate_up, down; kinds: per layer the four projections' kinds; qk_norms: per layer
 // the per-head q_norm and k_norm, or empty for a model without QK-norm; moe: the layers
-// whose feed-forward is a mixture of experts (their gate_up and down operands are unused). key_cache and
-// value_cache: the whole pool, [layers, kv_heads, blocks, block_size, head_dim].
+// whose feed-forward is a mixture of experts (their gate_up and down operands are unused).
+// key_cache and value_cache: the whole pool, [layers, kv_heads, blocks, block_size, head_dim].
 at::Tensor decode_layers(at::Tensor& residual, at::TensorList weights, at::IntArrayRef kinds,
                          at::TensorList qk_norms, const c10::intrusive_ptr<MoELayers>& moe,
                          at::Tensor& key_cache, at::Tensor& value_cache,
@@ -119,12 +119,12 @@ at::Tensor decode_layers(at::Tensor& residual, at::TensorList weights, at::IntAr
       at::Tensor& mixed = buffers.get(kDown, hidden.size(1));
       moe_forward(mixed, hidden, *experts);
       hidden = mixed;
-      continue;
+    } else {
+      const at::Tensor& gate_up = buffers.project(kGateUp, kind[2], hidden, w[6], w[7]);
+      at::Tensor& activated = buffers.get(kActivated, gate_up.size(1) / 2);
+      silu_and_mul(activated, gate_up);
+      hidden = buffers.project(kDown, kind[3], activated, w[8], w[9]);
     }
-    const at::Tensor& gate_up = buffers.project(kGateUp, kind[2], hidden, w[6], w[7]);
-    at::Tensor& activated = buffers.get(kActivated, gate_up.size(1) / 2);
-    silu_and_mul(activated, gate_up);
-    hidden = buffers.project(kDown, kind[3], activated, w[8], w[9]);
   }
   return residual.add_(hidden);
 }
