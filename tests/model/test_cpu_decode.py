@@ -62,32 +62,33 @@ def test_the_fast_path_is_bit_identical_to_the_python_loop(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral"])
-def test_qk_norm_and_expert_layers_take_the_fast_path_bit_for_bit(
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral", "granite"])
+def test_qk_norm_expert_and_scaled_layers_take_the_fast_path_bit_for_bit(
     monkeypatch: pytest.MonkeyPatch, family, dtype, quantization
 ):
-    """Qwen3's per-head QK RMSNorm (head_dim 32 over a 64-wide hidden state) and mixtures
-    of experts (Qwen3-MoE with a dense first layer, Mixtral) run in the one native call,
-    bit-identical to the Python loop."""
+    """Qwen3's per-head QK RMSNorm (head_dim 32 over a 64-wide hidden state), mixtures of
+    experts (Qwen3-MoE with a dense first layer, Mixtral) and Granite's multipliers run in
+    the one native call, bit-identical to the Python loop."""
     build, _ = family_models.FAMILIES[family]
     model = native_model(random_reference(build), dtype, quantization)
     assert (model.options.qk_norm == QK_NORM_PER_HEAD) == family.startswith("qwen3")
     experts = [isinstance(layer.mlp, MoEMLP) for layer in model.weights.layers]
-    assert any(experts) == (family != "qwen3")
+    assert any(experts) == (family in ("qwen3_moe", "mixtral"))
+    assert (model.options.residual_multiplier is not None) == (family == "granite")
     assert_fast_path_matches_python(model, monkeypatch)
 
 
 def test_the_families_whose_layers_take_the_fast_path():
     """Which families' decode steps the one native call serves (bf16): the Llama-shaped
-    ones, QK-normed and mixture-of-experts ones included; the rest (biases, post-norms,
-    multipliers, soft-capping, sinks, GELU, and Phi-3's partial LongRoPE here) keep the
-    Python loop."""
+    ones, QK-normed, mixture-of-experts and Granite's scaled ones included; the rest
+    (biases, post-norms, soft-capping, sinks, GELU, and Phi-3's partial LongRoPE here) keep
+    the Python loop."""
     fast = {
         family
         for family, (build, _) in family_models.FAMILIES.items()
         if native_model(random_reference(build), torch.bfloat16, "none").fast_decode is not None
     }
-    assert fast == {"llama", "mistral", "ministral", "qwen3", "mixtral", "qwen3_moe"}
+    assert fast == {"llama", "mistral", "ministral", "qwen3", "granite", "mixtral", "qwen3_moe"}
 
 
 def test_qk_norms_it_does_not_run_keep_the_python_loop():

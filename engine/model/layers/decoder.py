@@ -250,10 +250,17 @@ def fast_decode_path(model: DecoderModel) -> DecodeLayers | None:
     """The native decode path for a model whose every layer is Llama-shaped (pre-norm in
     the model dtype, plain attention with one scale and one full-width RoPE table, no
     QK-norm or Qwen3's per-head one, a SwiGLU MLP or a mixture of experts the native MoE op
-    runs) and whose residual is not scaled; None otherwise."""
+    runs), Granite's multipliers included; None otherwise."""
     options = model.options
     per_head = options.qk_norm == QK_NORM_PER_HEAD  # the one QK-norm the native path runs
-    reshaped = dataclasses.replace(options, embedding_scale=None, attention_scale=None)
+    # Applied outside the layers (embedding, logits) or handed to the call (the others).
+    reshaped = dataclasses.replace(
+        options,
+        embedding_scale=None,
+        attention_scale=None,
+        residual_multiplier=None,
+        logits_divisor=None,
+    )
     if per_head:
         reshaped = dataclasses.replace(reshaped, qk_norm=None)
     if reshaped != DecoderOptions() or len(model.ropes) != 1:
@@ -269,8 +276,11 @@ def fast_decode_path(model: DecoderModel) -> DecodeLayers | None:
     if any(layer is None for layer in layers):
         return None
     windows = [w for w in model.spec.layer_windows if w is not None]
+    multiplier = options.residual_multiplier
     return DecodeLayers.build(
-        [layer for layer in layers if layer is not None], min(windows, default=None)
+        [layer for layer in layers if layer is not None],
+        min(windows, default=None),
+        1.0 if multiplier is None else multiplier,
     )
 
 

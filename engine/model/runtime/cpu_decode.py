@@ -118,10 +118,17 @@ class DecodeLayers:
     qk_norms: tuple[torch.Tensor, ...]  # per layer (q_norm, k_norm), or none at all
     moe: torch.ScriptObject  # csrc/moe.h's MoELayers: the layers whose feed-forward is experts
     window: int | None = None  # the smallest sliding window of any layer
+    residual_multiplier: float = 1.0  # Granite: each sublayer's output scaled by it
 
     @classmethod
-    def build(cls, layers: Sequence[PlainLayer], window: int | None = None) -> DecodeLayers | None:
-        """The path for these layers (whose smallest sliding window is ``window``), or
+    def build(
+        cls,
+        layers: Sequence[PlainLayer],
+        window: int | None = None,
+        residual_multiplier: float = 1.0,
+    ) -> DecodeLayers | None:
+        """The path for these layers (whose smallest sliding window is ``window``, and whose
+        sublayer outputs join the residual stream times ``residual_multiplier``), or
         None where a projection has no few-row kernel (or a bias), the weights are not on
         the CPU, or some layers have a QK-norm and others not."""
         if not layers or layers[0].input_norm.device.type != "cpu":
@@ -143,7 +150,7 @@ class DecodeLayers:
             if layer.experts is not None:
                 moe.set(index, layer.experts)
         qk_norms = [norm for layer in layers for norm in layer.qk_norms or ()]
-        return cls(tuple(tensors), tuple(kinds), tuple(qk_norms), moe, window)
+        return cls(tuple(tensors), tuple(kinds), tuple(qk_norms), moe, window, residual_multiplier)
 
     def serves(self, meta: AttentionMetadata, cache: PagedKVCache) -> bool:
         """Whether a step can take the path: a few decodes, no prefill, a plain cache, and
@@ -193,4 +200,5 @@ class DecodeLayers:
             spec.head_dim,
             spec.rms_norm_eps,
             scale,
+            self.residual_multiplier,
         )

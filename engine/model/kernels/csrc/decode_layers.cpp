@@ -3,8 +3,8 @@
 // the result is bit-identical; what goes away is ten trips through Python and torch's
 // dispatcher per layer (~1.3 ms of a ~4 ms single-stream step on two cores). Layers with
 // Qwen3's per-head QK RMSNorm take it too (layers/attention.py's normalize_qk, op for op),
-// and so do mixture-of-experts layers: their feed-forward is moe_forward (moe.cpp), the op
-// layers/moe.py calls for such a step.
+// and so do mixture-of-experts layers (their feed-forward is moe_forward, moe.cpp, the op
+// layers/moe.py calls for such a step) and Granite's scaled sublayer outputs.
 //
 // Each projection arrives as a kind and two tensors (engine/model/runtime/cpu_decode.py
 // builds them once per model; projection.h runs them): the few-row kernel it takes, its
@@ -70,6 +70,14 @@ void normalize_qk_per_head(at::Tensor& qkv, const at::Tensor& q_norm, const at::
   }
 }
 
+// Granite's residual multiplier on a sublayer's output before it joins the residual stream:
+// DecoderModel._leave's `out * multiplier`, done in place. The factor is a 0-dim double
+// tensor, as Python's float becomes: mul_(Scalar) would round it to bf16 first and give
+// other bits. Undefined for no multiplier.
+void scale_output(at::Tensor& output, const at::Tensor& factor) {
+  if (factor.defined()) output.mul_(factor);
+}
+
 }  // namespace
 
 // residual: the embedded tokens [rows, hidden], updated in place into the residual stream;
@@ -77,15 +85,16 @@ void normalize_qk_per_head(at::Tensor& qkv, const at::Tensor& q_norm, const at::
 // DecoderModel.forward does. weights: per layer input_norm, post_norm, then (a, b) of qkv,
 // o_proj, gate_up, down; kinds: per layer the four projections' kinds; qk_norms: per layer
 // the per-head q_norm and k_norm, or empty for a model without QK-norm; moe: the layers
-// whose feed-forward is a mixture of experts (their gate_up and down operands are unused).
-// key_cache and value_cache: the whole pool, [layers, kv_heads, blocks, block_size, head_dim].
+// whose feed-forward is a mixture of experts (their gate_up and down operands are unused);
+// residual_multiplier: Granite's scale of each sublayer's output (1 for none). key_cache and value_cache: the whole pool, [layers, kv_heads, blocks, block_size, head_dim].
 at::Tensor decode_layers(at::Tensor& residual, at::TensorList weights, at::IntArrayRef kinds,
                          at::TensorList qk_norms, const c10::intrusive_ptr<MoELayers>& moe,
                          at::Tensor& key_cache, at::Tensor& value_cache,
                          const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& slots, const at::Tensor& block_tables,
                          const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
-                         int64_t head_dim, double eps, double scale) {
+                         int64_t head_dim, double eps, double scale,
+                         double residual_multiplier) {
   const int64_t layers = key_cache.size(0);
   TORCH_CHECK(layers > 0 && value_cache.size(0) == layers &&
                   static_cast<int64_t>(weights.size()) == layers * kTensorsPerLayer &&
@@ -97,6 +106,9 @@ at::Tensor decode_layers(at::Tensor& residual, at::TensorList weights, at::IntAr
   at::Tensor hidden = at::empty_like(residual);
   rms_norm(hidden, residual, weights[0], eps);
   Buffers buffers(residual);
+  const at::Tensor factor = residual_multiplier == 1.0
+                                ? at::Tensor()
+                                : at::scalar_tensor(residual_multiplier, at::kDouble);
   for (int64_t layer = 0; layer < layers; ++layer) {
     const at::Tensor* w = weights.data() + layer * kTensorsPerLayer;
     const int64_t* kind = kinds.data() + layer * 4;
@@ -114,6 +126,7 @@ at::Tensor decode_layers(at::Tensor& residual, at::TensorList weights, at::IntAr
     paged_decode_attention(attended, qkv, keys, values, block_tables, context_lens, num_heads,
                            num_kv_heads, scale, std::nullopt, std::nullopt);
     hidden = buffers.project(kOutput, kind[1], attended, w[4], w[5]);
+    scale_output(hidden, factor);
     add_rms_norm(hidden, residual, w[1], eps);
     if (const auto* experts = moe->find(layer)) {
       at::Tensor& mixed = buffers.get(kDown, hidden.size(1));
@@ -125,6 +138,7 @@ at::Tensor decode_layers(at::Tensor& residual, at::TensorList weights, at::IntAr
       silu_and_mul(activated, gate_up);
       hidden = buffers.project(kDown, kind[3], activated, w[8], w[9]);
     }
+    scale_output(hidden, factor);
   }
   return residual.add_(hidden);
 }

@@ -87,7 +87,8 @@ at::Tensor decode_layers(at::Tensor& residual, at::TensorList weights, at::IntAr
                          const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& slots, const at::Tensor& block_tables,
                          const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
-                         int64_t head_dim, double eps, double scale);
+                         int64_t head_dim, double eps, double scale,
+                         double residual_multiplier);
 
 // moe.cpp / moe.h: a mixture-of-experts feed-forward (moe_forward, MoEWeights).
 

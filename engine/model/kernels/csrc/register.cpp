@@ -57,7 +57,7 @@ TORCH_LIBRARY(kvserve, m) {
       "__torch__.torch.classes.kvserve.MoELayers moe, Tensor(b!) key_cache, "
       "Tensor(c!) value_cache, Tensor positions, Tensor cos, Tensor sin, Tensor slots, "
       "Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, int head_dim, "
-      "float eps, float scale) -> Tensor");
+      "float eps, float scale, float residual_multiplier) -> Tensor");
   m.def("copy_blocks_serial_(Tensor(a!) dst, Tensor src, int[] src_blocks, int[] dst_blocks) -> ()");
 }
 
