@@ -256,13 +256,12 @@ def fast_decode_path(model: DecoderModel) -> DecodeLayers | None:
     # Applied outside the layers (embedding, logits) or handed to the call (the others).
     reshaped = dataclasses.replace(
         options,
+        qk_norm=None if per_head else options.qk_norm,
         embedding_scale=None,
         attention_scale=None,
         residual_multiplier=None,
         logits_divisor=None,
     )
-    if per_head:
-        reshaped = dataclasses.replace(reshaped, qk_norm=None)
     if reshaped != DecoderOptions() or len(model.ropes) != 1:
         return None
     rope = next(iter(model.ropes.values()))
@@ -290,12 +289,11 @@ def _plain_layer(layer: LayerWeights, dtype: torch.dtype, qk_norm: bool) -> Plai
     attention, mlp = layer.attention, layer.mlp
     q_norm, k_norm = attention.q_norm, attention.k_norm
     qk_norms = (q_norm, k_norm) if q_norm is not None and k_norm is not None else None
-    norms = (layer.input_norm, layer.pre_mlp_norm, *(qk_norms or ()))
+    norms = (layer.input_norm, layer.pre_mlp_norm, q_norm, k_norm)
     if (
         layer.post_attention_norm is not None
         or layer.post_mlp_norm is not None
-        or (qk_norms is not None) != qk_norm
-        or (q_norm is None) != (k_norm is None)
+        or {q_norm is not None, k_norm is not None} != {qk_norm}  # both norms, or neither
         or attention.sinks is not None
         or not _plain_feed_forward(mlp, dtype)
         or norms[0] is None

@@ -131,9 +131,9 @@ KVSERVE_BF16_TARGET void bf16_linear_blocks(uint16_t* op, const uint16_t* xp, co
         uint16_t* row = op + (m + r) * outs + n;
         if (width == 4) {
           store_bf16x4(row, out[r]);
-          continue;
+        } else {
+          for (int64_t j = 0; j < width; ++j) row[j] = to_bf16(out[r][j]);
         }
-        for (int64_t j = 0; j < width; ++j) row[j] = to_bf16(out[r][j]);
       }
     }
   }

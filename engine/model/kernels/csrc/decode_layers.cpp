@@ -86,7 +86,8 @@ void scale_output(at::Tensor& output, const at::Tensor& factor) {
 // o_proj, gate_up, down; kinds: per layer the four projections' kinds; qk_norms: per layer
 // the per-head q_norm and k_norm, or empty for a model without QK-norm; moe: the layers
 // whose feed-forward is a mixture of experts (their gate_up and down operands are unused);
-// residual_multiplier: Granite's scale of each sublayer's output (1 for none). key_cache and value_cache: the whole pool, [layers, kv_heads, blocks, block_size, head_dim].
+// residual_multiplier: Granite's scale of each sublayer's output (1 for none). key_cache
+// and value_cache: the whole pool, [layers, kv_heads, blocks, block_size, head_dim].
 at::Tensor decode_layers(at::Tensor& residual, at::TensorList weights, at::IntArrayRef kinds,
                          at::TensorList qk_norms, const c10::intrusive_ptr<MoELayers>& moe,
                          at::Tensor& key_cache, at::Tensor& value_cache,
