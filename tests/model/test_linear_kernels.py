@@ -149,7 +149,7 @@ def _needs_avx512_bf16() -> None:
         pytest.skip("this CPU has no AVX512_BF16 (the bf16 kernel is never used on it)")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, BF16_ROWWISE_MAX_ROWS])
 @pytest.mark.parametrize("in_features", [64, 100, 576])  # 100: a masked tail; 576: 9 x 64
 def test_bf16_linear_matches_float32_math_within_bf16_rounding(native, rows, in_features):
     """The few-row bf16 kernel: float32 accumulation of bf16 products, one bf16 rounding
@@ -168,20 +168,21 @@ def test_bf16_linear_matches_float32_math_within_bf16_rounding(native, rows, in_
 @pytest.mark.parametrize("in_features", [100, 576, 1536])
 def test_bf16_linear_gives_a_row_the_same_bits_alone_and_in_a_batch(native, in_features):
     """Each output is its own chain of products and one fixed sum of its lanes, whatever
-    rows and weight rows share its block: a row alone, the same row among eight, and the
-    same weight rows cut out of a larger matrix (1001 outputs: two threads' ranges and a
-    short last block) all give the same bits."""
+    rows and weight rows share its block: a row alone, the same row among the kernel's
+    most rows, and the same weight rows cut out of a larger matrix (1001 outputs: two
+    threads' ranges and a short last block) all give the same bits."""
     _needs_avx512_bf16()
     torch.manual_seed(in_features)
     weight = torch.randn(1001, in_features).to(torch.bfloat16)
-    x = torch.randn(8, in_features).to(torch.bfloat16)
-    batch = torch.empty(8, 1001, dtype=torch.bfloat16)
+    rows = BF16_ROWWISE_MAX_ROWS
+    x = torch.randn(rows, in_features).to(torch.bfloat16)
+    batch = torch.empty(rows, 1001, dtype=torch.bfloat16)
     torch.ops.kvserve.bf16_linear(batch, x, weight)
-    for row in range(8):
+    for row in range(rows):
         alone = torch.empty(1, 1001, dtype=torch.bfloat16)
         torch.ops.kvserve.bf16_linear(alone, x[row : row + 1].contiguous(), weight)
         assert torch.equal(alone[0], batch[row])
-    part = torch.empty(8, 7, dtype=torch.bfloat16)
+    part = torch.empty(rows, 7, dtype=torch.bfloat16)
     torch.ops.kvserve.bf16_linear(part, x, weight[3:10].contiguous())
     assert torch.equal(part, batch[:, 3:10])
     exact = x.float() @ weight.float().T

@@ -58,9 +58,11 @@ __all__ = [
 # it is half fbgemm's speed.
 ROWWISE_MAX_ROWS = 4
 # Calls with at most this many rows take the native bf16 kernel on CPUs with AVX512_BF16:
-# 3-5x torch's bf16 GEMM (oneDNN) at 1-4 rows on SmolLM2's projections, 2x at 8, slower
-# from ~12 on (bench/bench_kernels.py --bf16).
-BF16_ROWWISE_MAX_ROWS = 8
+# each weight line fetched 32 KiB ahead, it streams a decode step's projections at 1-8 rows
+# in about the time of one, and beats torch's bf16 GEMM (oneDNN) up to ~48 rows: 1.8x at 8,
+# 1.24x at 32, 1.16x at 48, even at 64 (EPYC Zen 4, cold weights; bench/bench_kernels.py
+# --only bf16).
+BF16_ROWWISE_MAX_ROWS = 48
 # Calls with at most this many float32 rows take the native float32 kernel (AVX2 + FMA)
 # where a layer asks for it (an MoE's experts and router, quantize.py): an expert of a
 # 32-sequence decode step gets ~4 rows, where ATen's GEMM is ~3x slower than streaming the

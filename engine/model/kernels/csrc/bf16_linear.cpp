@@ -116,8 +116,8 @@ KVSERVE_BF16_TARGET void bf16_linear_blocks(uint16_t* op, const uint16_t* xp, co
     const int64_t n = block * 4;
     const int64_t width = std::min<int64_t>(4, outs - n);
     const uint16_t* w = wp + n * in;
-    const char* ahead = reinterpret_cast<const char*>(w) + plan.distance;
-    if (!plan.bf16 || ahead + width * in * 2 > stop) ahead = nullptr;
+    const char* ahead = reinterpret_cast<const char*>(w) + plan.bf16_distance;
+    if (ahead + width * in * 2 > stop) ahead = nullptr;
     for (int64_t m = 0; m < rows; m += 4) {
       const int64_t take = std::min<int64_t>(4, rows - m);
       const char* once = m == 0 ? ahead : nullptr;  // later rows find the lines in L1

@@ -240,28 +240,31 @@ void with_cache_type(at::ScalarType dtype, F&& f) {
   }
 }
 
-// How far ahead of the row it is reading a few-row GEMV asks for weight lines. Each thread
-// streams a contiguous range of rows, and where the hardware prefetcher keeps too few
-// lines in flight one core cannot reach the memory's rate on its own.
+// How far ahead of the row it is reading a few-row GEMV asks for weight lines, into L2
+// (prefetcht1). Each thread streams a contiguous range of rows, and where the hardware
+// prefetcher keeps too few lines in flight one core cannot reach the memory's rate on its
+// own. Lines parked in L2 leave the L1 fill buffers to the loads, so more lines are in
+// flight per core.
 //
-// Intel: into L2 (prefetcht1) 64 KiB ahead. On the 2-vCPU Xeon-AMX VM, decode steps of
-// the embedded model, alternating processes: bf16 20.8-22.0 -> 18.1-18.6 ms, int8
-// 12.3-13.3 -> 10.5-12.3 ms, int4 8.4-8.9 -> 8.2-8.5 ms against the former plan (into L1,
-// 8 KiB ahead, none for bf16, which had made a bf16 step slower). Lines parked in L2 leave
-// the L1 fill buffers to the loads, so more lines are in flight per core.
-// Other CPUs keep the plan they were tuned with (not yet measured with this one): 8 KiB
-// ahead, the best of 1-12 KiB at 1 and 4 rows then, and none for bf16, which showed no gain.
+// Intel: 64 KiB ahead for every kernel. On the 2-vCPU Xeon-AMX VM, decode steps of the
+// embedded model, alternating processes: bf16 20.8-22.0 -> 18.1-18.6 ms, int8 12.3-13.3 ->
+// 10.5-12.3 ms, int4 8.4-8.9 -> 8.2-8.5 ms against the former plan (into L1, 8 KiB ahead,
+// none for bf16).
+// AMD: 8 KiB ahead for the int8/int4/f32 kernels (the best of 1-12 KiB at 1 and 4 rows; 32
+// KiB was 0-10% slower for int8), 32 KiB for bf16. On the 2-vCPU EPYC (Zen 4) VM, a decode
+// step's bf16 projections (212 MB, cold) with none -> 32 KiB ahead: 1 row 10.0 -> 7.3-7.7
+// ms, 8 rows 16.2 -> 8.7 ms, 32 rows 30.2 -> 25.7 ms (16 and 64 KiB within 5%).
 struct PrefetchPlan {
-  int64_t distance;  // bytes ahead of the row being read
-  bool bf16;         // whether the bf16 kernel prefetches at all
+  int64_t distance;       // bytes ahead of the row being read: int8, int4, f32
+  int64_t bf16_distance;  // the same for the bf16 kernel
 };
 
 inline const PrefetchPlan& prefetch_plan() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   static const PrefetchPlan plan =
-      __builtin_cpu_is("intel") ? PrefetchPlan{65536, true} : PrefetchPlan{8192, false};
+      __builtin_cpu_is("intel") ? PrefetchPlan{65536, 65536} : PrefetchPlan{8192, 32768};
 #else
-  static const PrefetchPlan plan{8192, false};
+  static const PrefetchPlan plan{8192, 32768};
 #endif
   return plan;
 }

@@ -25,7 +25,7 @@ enum LinearKind : int64_t {
 // Rows up to which a layer takes its few-row kernel: linear.py's BF16_ROWWISE_MAX_ROWS,
 // F32_ROWWISE_MAX_ROWS and ROWWISE_MAX_ROWS (int8: past it Python goes to fbgemm, which no
 // native path calls).
-constexpr int64_t kBf16FewRows = 8;
+constexpr int64_t kBf16FewRows = 48;
 constexpr int64_t kF32FewRows = 16;
 constexpr int64_t kInt8FewRows = 4;
 
