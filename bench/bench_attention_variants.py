@@ -102,7 +102,7 @@ def main() -> None:
     scale = dim**-0.5
     print(
         f"{heads}/{kv_heads} heads, head_dim {dim}, block {args.block_size}, context {context}, "
-        f"{torch.get_num_threads()} threads, AMX {ops.amx_prefill_available()}"
+        f"{torch.get_num_threads()} threads, AMX {ops.amx_available()}"
     )
     for kv_dtype in args.kv_dtypes.split(","):
         for mode in args.modes.split(","):

@@ -81,7 +81,7 @@ def main() -> None:
     visible = new * (context - new) + new * (new + 1) / 2  # causal scores per head
     flops = 4 * visible * dim * heads
     print(
-        f"AMX tiles: {ops.amx_prefill_available()}; {new} queries over {context} tokens, "
+        f"AMX tiles: {ops.amx_available()}; {new} queries over {context} tokens, "
         f"{heads}/{kv_heads} heads, head_dim {dim}, {torch.get_num_threads()} threads"
     )
     print(

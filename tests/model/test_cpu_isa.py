@@ -29,7 +29,7 @@ SUPPORT = (
     "from engine.model.kernels.native import load_native_ops\n"
     "assert load_native_ops()\n"
     "ops = torch.ops.kvserve\n"
-    "print(ops.bf16_linear_supported(), ops.int8_vnni_supported(), ops.amx_prefill_available())\n"
+    "print(ops.bf16_linear_supported(), ops.int8_vnni_supported(), ops.amx_available())\n"
 )
 
 

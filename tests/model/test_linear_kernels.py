@@ -12,6 +12,8 @@ import torch
 
 from engine.model.kernels.native import NativeKernels
 from engine.model.layers.linear import (
+    BF16_AMX_MAX_ROWS,
+    BF16_AMX_MIN_ROWS,
     BF16_ROWWISE_MAX_ROWS,
     F32_CHUNKED_MAX_ROWS,
     F32_ROWWISE_MAX_ROWS,
@@ -19,6 +21,7 @@ from engine.model.layers.linear import (
     ROWWISE_MAX_ROWS,
     DenseLinear,
     Int8Linear,
+    bf16_amx_supported,
     bf16_rowwise_supported,
     linear_layers,
 )
@@ -223,6 +226,88 @@ def test_bf16_linear_refuses_what_it_cannot_serve(native):
     with pytest.raises(RuntimeError, match="shape"):
         out = torch.empty(2, 8, dtype=torch.bfloat16)
         torch.ops.kvserve.bf16_linear(out, x, torch.randn(8, 32, dtype=torch.bfloat16))
+
+
+def _needs_amx() -> None:
+    if not torch.ops.kvserve.amx_available():
+        pytest.skip("this CPU has no AMX-BF16 (the AMX kernel is never used on it)")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, BF16_AMX_MAX_ROWS])
+@pytest.mark.parametrize("shape", [(48, 64), (960, 576), (576, 1536)])  # (out, in)
+def test_bf16_linear_amx_matches_float32_math_within_bf16_rounding(native, rows, shape):
+    """The AMX kernel: tile products of bf16 pairs summed in float32, one bf16 rounding per
+    output, for row counts that fill, split and leave part of its 16-row tiles and feature
+    counts with a last 16-feature block (48) or none (960)."""
+    _needs_amx()
+    torch.manual_seed(rows * shape[1])
+    weight = torch.randn(*shape).to(torch.bfloat16)
+    x = torch.randn(rows, shape[1]).to(torch.bfloat16)
+    out = torch.empty(rows, shape[0], dtype=torch.bfloat16)
+    torch.ops.kvserve.bf16_linear_amx(out, x, weight)
+    exact = x.float() @ weight.float().T
+    torch.testing.assert_close(out.float(), exact.to(torch.bfloat16).float(), atol=0.06, rtol=8e-3)
+
+
+def test_bf16_linear_amx_gives_a_row_the_same_bits_alone_and_in_a_batch(native):
+    """A row's sums are the same tile products in the same order whatever else is in the
+    call: alone, as the 17th of 33 rows (a second tile's first row) and among 64."""
+    _needs_amx()
+    torch.manual_seed(0)
+    weight = torch.randn(1008, 576).to(torch.bfloat16)
+    x = torch.randn(BF16_AMX_MAX_ROWS, 576).to(torch.bfloat16)
+    batch = torch.empty(BF16_AMX_MAX_ROWS, 1008, dtype=torch.bfloat16)
+    torch.ops.kvserve.bf16_linear_amx(batch, x, weight)
+    for rows in (1, 33):
+        part = torch.empty(rows, 1008, dtype=torch.bfloat16)
+        torch.ops.kvserve.bf16_linear_amx(part, x[16 : 16 + rows].contiguous(), weight)
+        assert torch.equal(part, batch[16 : 16 + rows])
+
+
+def test_bf16_linear_amx_refuses_what_it_cannot_serve(native):
+    """Where the CPU has no AMX the op says so instead of faulting on a tile instruction;
+    where it has, shapes its tiles do not fit are refused with the reason."""
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    out = torch.empty(8, 32, dtype=torch.bfloat16)
+    if not torch.ops.kvserve.amx_available():
+        with pytest.raises(RuntimeError, match="AMX"):
+            torch.ops.kvserve.bf16_linear_amx(out, x, torch.randn(32, 64).to(torch.bfloat16))
+        return
+    with pytest.raises(RuntimeError, match="% 32"):
+        torch.ops.kvserve.bf16_linear_amx(
+            out, x[:, :48].contiguous(), torch.randn(32, 48).to(torch.bfloat16)
+        )
+    with pytest.raises(RuntimeError, match="% 16"):
+        narrow = torch.empty(8, 24, dtype=torch.bfloat16)
+        torch.ops.kvserve.bf16_linear_amx(narrow, x, torch.randn(24, 64).to(torch.bfloat16))
+
+
+def test_bf16_layers_take_the_amx_kernel_only_where_it_runs(native, tiny_llama_factory):
+    """quantize_weights('none', rowwise) marks a bf16 projection for the AMX kernel exactly
+    where the CPU has AMX-BF16 and its shape fits the tiles; such a layer agrees with
+    F.linear on either side of the AMX row range, and --batch-invariant never takes it."""
+    from engine.model.loader import model_from_reference
+
+    _, reference = tiny_llama_factory()
+    weights = model_from_reference(reference.to(torch.bfloat16)).weights
+    weights = quantize_weights(weights, "none", rowwise=True)
+    linears = [weights.lm_head] + [
+        linear for layer in weights.layers for linear in linear_layers(layer)
+    ]
+    for linear in linears:
+        assert isinstance(linear, DenseLinear)
+        assert linear.amx == bf16_amx_supported(linear.weight)
+    amx = bool(torch.ops.kvserve.amx_available())
+    assert bf16_amx_supported(torch.empty(32, 64, dtype=torch.bfloat16)) == amx
+    assert not bf16_amx_supported(torch.empty(32, 48, dtype=torch.bfloat16))
+    weight = torch.randn(48, 64).to(torch.bfloat16)
+    assert not DenseLinear(weight, rowwise=True, invariant=True, amx=True).amx
+    layer = DenseLinear(weight, rowwise=bf16_rowwise_supported(weight), amx=amx)
+    for rows in (1, BF16_AMX_MIN_ROWS, BF16_AMX_MAX_ROWS, BF16_AMX_MAX_ROWS + 1):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        torch.testing.assert_close(
+            layer(x), torch.nn.functional.linear(x, weight), atol=0.06, rtol=8e-3
+        )
 
 
 def test_bf16_model_takes_the_kernel_for_few_rows_only_where_the_cpu_has_it(

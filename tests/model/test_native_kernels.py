@@ -343,7 +343,7 @@ def test_amx_prefill_only_where_the_cpu_has_it(native):
         and bool(torch.ops.kvserve.bf16_linear_supported())
         and "KVSERVE_CPU_ISA" not in os.environ
     )
-    assert bool(torch.ops.kvserve.amx_prefill_available()) == expected
+    assert bool(torch.ops.kvserve.amx_available()) == expected
 
 
 def test_prefill_attention_after_decodes_uses_only_prefill_rows(native):

@@ -52,6 +52,7 @@ SOURCES = (
     "int8_linear_avx2.cpp",
     "int4_linear.cpp",
     "bf16_linear.cpp",
+    "bf16_linear_amx.cpp",
     "f32_linear.cpp",
     "token_mask.cpp",
     "block_copy.cpp",

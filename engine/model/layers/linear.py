@@ -57,12 +57,18 @@ __all__ = [
 # here it is about as fast as fbgemm or faster, and exact in the activations; at 8 rows
 # it is half fbgemm's speed.
 ROWWISE_MAX_ROWS = 4
-# Calls with at most this many rows take the native bf16 kernel on CPUs with AVX512_BF16:
-# each weight line fetched 32 KiB ahead, it streams a decode step's projections at 1-8 rows
-# in about the time of one, and beats torch's bf16 GEMM (oneDNN) up to ~48 rows: 1.8x at 8,
-# 1.24x at 32, 1.16x at 48, even at 64 (EPYC Zen 4, cold weights; bench/bench_kernels.py
-# --only bf16).
+# Calls with at most this many rows take the native bf16 kernel on CPUs with AVX512_BF16
+# (where AMX does not take them first): each weight line fetched 32 KiB ahead, it streams a
+# decode step's projections at 1-8 rows in about the time of one, and beats torch's bf16
+# GEMM (oneDNN) up to ~48 rows: 1.8x at 8, 1.24x at 32, 1.16x at 48, even at 64 (EPYC Zen 4,
+# cold weights; bench/bench_kernels.py --only bf16).
 BF16_ROWWISE_MAX_ROWS = 48
+# Calls of this many rows take the AMX kernel (csrc/bf16_linear_amx.cpp) where the CPU has
+# AMX-BF16 and the shape fits: 1.6x the few-row kernel at 8 rows, 1.5x torch's GEMM at 32,
+# 1.3x at 64, slower than torch by 512 (Xeon-AMX, a decode step's projections, cold); at
+# one row the few-row kernel is ~5% faster.
+BF16_AMX_MIN_ROWS = 5
+BF16_AMX_MAX_ROWS = 64
 # Calls with at most this many float32 rows take the native float32 kernel (AVX2 + FMA)
 # where a layer asks for it (an MoE's experts and router, quantize.py): an expert of a
 # 32-sequence decode step gets ~4 rows, where ATen's GEMM is ~3x slower than streaming the
@@ -111,12 +117,17 @@ class DenseLinear:
     projections and LM head take the kernel up to ``F32_CHUNKED_MAX_ROWS`` rows, where it
     beats ATen's GEMM (which streams a decode step's weights at half its rate).
 
+    With ``amx`` as well (``bf16_amx_supported``: AMX-BF16 and a shape its tiles fit) calls
+    of ``BF16_AMX_MIN_ROWS`` to ``BF16_AMX_MAX_ROWS`` rows go through
+    ``torch.ops.kvserve.bf16_linear_amx`` instead: tile products over the same stored
+    weights, for the decode steps of many sequences that are compute-bound on vdpbf16ps.
+
     With ``invariant`` (``--batch-invariant``; needs ``rowwise``) every call takes the
     few-row kernel, in chunks of its row limit: a row's numbers then never depend on the
     other rows of the step.
     """
 
-    __slots__ = ("bias", "chunked_rows", "invariant", "rowwise", "weight")
+    __slots__ = ("amx", "bias", "chunked_rows", "invariant", "rowwise", "weight")
 
     def __init__(
         self,
@@ -125,16 +136,23 @@ class DenseLinear:
         rowwise: bool = False,
         invariant: bool = False,
         chunked_rows: int = 0,
+        amx: bool = False,
     ):
         self.weight = weight
         self.bias = bias
         self.rowwise = rowwise
         self.invariant = invariant and rowwise
         self.chunked_rows = chunked_rows
+        self.amx = amx and rowwise and not self.invariant
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.rowwise:
             rows = x.shape[0]
+            amx_rows = BF16_AMX_MIN_ROWS <= rows <= BF16_AMX_MAX_ROWS
+            if self.amx and amx_rows and x.dtype == torch.bfloat16:
+                y = x.new_empty(rows, self.weight.shape[0])
+                torch.ops.kvserve.bf16_linear_amx(y, x.contiguous(), self.weight)
+                return y if self.bias is None else y.add_(self.bias)
             if x.dtype == torch.bfloat16 and (self.invariant or rows <= BF16_ROWWISE_MAX_ROWS):
                 y = by_row_chunks(
                     torch.ops.kvserve.bf16_linear, x, self.weight.shape[0], BF16_ROWWISE_MAX_ROWS,
@@ -474,6 +492,19 @@ def bf16_rowwise_supported(weight: torch.Tensor) -> bool:
         and weight.device.type == "cpu"
         and load_native_ops()
         and bool(torch.ops.kvserve.bf16_linear_supported())
+    )
+
+
+def bf16_amx_supported(weight: torch.Tensor) -> bool:
+    """Whether the AMX bf16 kernel can serve ``weight`` on this CPU: bf16, contiguous, its
+    input features a multiple of 32 and its outputs of 16 (whole tiles)."""
+    return (
+        bf16_rowwise_supported(weight)
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and weight.shape[1] % 32 == 0
+        and weight.shape[0] % 16 == 0
+        and bool(torch.ops.kvserve.amx_available())
     )
 
 

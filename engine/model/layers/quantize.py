@@ -18,6 +18,7 @@ from engine.model.layers.linear import (
     Int4Linear,
     Int8Linear,
     Linear,
+    bf16_amx_supported,
     bf16_rowwise_supported,
     check_quantization,
     f32_rowwise_supported,
@@ -126,7 +127,8 @@ def _with_bf16_rowwise(weights: ModelWeights) -> ModelWeights:
 
 def _rowwise(linear: Linear) -> Linear:
     if isinstance(linear, DenseLinear) and linear.weight.is_contiguous():
-        return DenseLinear(linear.weight, linear.bias, rowwise=True)
+        amx = bf16_amx_supported(linear.weight)
+        return DenseLinear(linear.weight, linear.bias, rowwise=True, amx=amx)
     return linear
 
 

@@ -3,7 +3,9 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "amx_tiles.h"
 #include "common.h"
+#include "ops.h"
 
 namespace kvserve {
 
@@ -19,6 +21,17 @@ bool avx512_kernels_allowed() {
 bool amx_kernels_allowed() {
   static const bool allowed = std::getenv("KVSERVE_CPU_ISA") == nullptr;
   return allowed;
+}
+
+bool amx_available() {
+#ifdef KVSERVE_HAVE_AMX
+  // Asked once: the grant (a system call) covers every thread of the process.
+  static const bool available = amx_kernels_allowed() && bf16_linear_supported() &&
+                                amx::cpu_has_amx_bf16() && amx::kernel_grants_tile_data();
+  return available;
+#else
+  return false;
+#endif
 }
 
 }  // namespace kvserve

@@ -51,9 +51,14 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& qkv, const at::T
                              double softcap = 0.0,
                              const std::optional<at::Tensor>& sinks = std::nullopt);
 
-// prefill_attention_amx.cpp: whether this CPU and kernel run AMX tiles (and
-// KVSERVE_CPU_ISA is unset); the prefill kernel then takes them for head_dim % 32 == 0.
-bool amx_prefill_available();
+// cpu_features.cpp: whether this CPU and kernel run AMX-BF16 tiles (and KVSERVE_CPU_ISA is
+// unset); the prefill attention kernel then takes them for head_dim % 32 == 0, and
+// bf16_linear_amx runs.
+bool amx_available();
+
+// bf16_linear_amx.cpp: out = x @ weight.T in bf16 on AMX tiles, any number of rows; needs
+// amx_available() and in_features % 32 == 0, out_features % 16 == 0.
+void bf16_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight);
 
 // int8_linear.cpp
 void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,

@@ -24,7 +24,7 @@
 // they mask those after their position; a soft cap maps each block's scores (in the
 // unscaled units the softmax reads, cap / scale) and a sink starts a row's running max.
 // Needs head_dim % 32 == 0 (whole tiles). Linux hands out AMX state only on request
-// (arch_prctl), which amx_prefill_available() makes once; KVSERVE_CPU_ISA=avx512 (or avx2)
+// (arch_prctl), which amx_available() makes once; KVSERVE_CPU_ISA=avx512 (or avx2)
 // keeps the other kernels, so one machine can compare them.
 
 #include <ATen/Parallel.h>
@@ -36,17 +36,13 @@
 #include <numeric>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "common.h"
 #include "ops.h"
 #include "prefill_attention.h"
 #include "prefill_tiles.h"
 
-#if defined(KVSERVE_HAVE_BF16_PREFILL) && defined(__linux__)
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define KVSERVE_AMX_TARGET \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
+#if defined(KVSERVE_HAVE_BF16_PREFILL) && defined(KVSERVE_HAVE_AMX)
 #define KVSERVE_HAVE_AMX_PREFILL 1
 #endif
 
@@ -61,44 +57,9 @@ constexpr int64_t kTileBytes = 64;
 constexpr int64_t kBlockRows = 2 * kRows;  // query rows per block of tile products
 constexpr int64_t kKeys = kKeyTile;        // keys per softmax tile, as the other kernels
 
-bool cpu_has_amx_bf16() {
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-  // Read from CPUID rather than __builtin_cpu_supports: GCC 12's answers "amx-bf16" with 0.
-  return (edx >> 22 & 1) && (edx >> 24 & 1);  // AMX-BF16, AMX-TILE
-}
-
-// Linux (5.16+) lets a process use the 8 KiB tile register file only after asking; the
-// grant covers every thread of the process.
-bool kernel_grants_tile_data() {
-  constexpr int kArchReqXcompPerm = 0x1023;
-  constexpr int kXfeatureTileData = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureTileData) == 0;
-}
-
-// Palette 1 with all 8 tiles at their full 16 rows x 64 bytes: every product here uses
-// whole tiles (operands are padded with zeros instead).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-KVSERVE_AMX_TARGET void configure_tiles() {
-  TileConfig config;
-  for (int i = 0; i < 8; ++i) {
-    config.bytes_per_row[i] = kTileBytes;
-    config.rows[i] = kRows;
-  }
-  // GCC 12 does not see ldtilecfg read the struct and drops the stores above; the empty
-  // asm that "uses" the memory keeps them.
-  asm volatile("" : : "r"(&config) : "memory");
-  _tile_loadconfig(&config);
-}
-
-KVSERVE_AMX_TARGET void release_tiles() { _tile_release(); }
+using amx::configure_tiles;
+using amx::release_tiles;
+using amx::transpose_16x16;
 
 // Per-thread buffers, sized once per task. Padding rows of the query stay zero, so the
 // products they enter add zeros (padding keys are zeros in PackedContext).
@@ -123,32 +84,6 @@ struct Scratch {
     row_sums.assign(ld * 16, 0.f);
   }
 };
-
-// In place: row i of the result is column i of the 16x16 dword matrix r (unpacks within
-// 128-bit lanes make 4x4 blocks, two lane shuffles put the blocks in place).
-KVSERVE_AMX_TARGET inline void transpose_16x16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 16; i += 8) {
-    for (int j = 0; j < 4; ++j) {
-      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
-      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
-    }
-  }
-  for (int j = 0; j < 8; ++j) {
-    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
-  }
-}
 
 // dst[p][n] = key n's pair p for the first `padded` keys of `rows`: the pair-major layout a
 // tile product's right operand needs, 16 keys x 16 pairs at a time.
@@ -496,22 +431,8 @@ void run_task(const Bf16Problem& p, const PackedContext& context, const Task& ta
 
 }  // namespace
 
-}  // namespace kvserve::prefill
-
-namespace kvserve {
-
-bool amx_prefill_available() {
-  static const bool available = amx_kernels_allowed() && bf16_linear_supported() &&
-                                prefill::cpu_has_amx_bf16() && prefill::kernel_grants_tile_data();
-  return available;
-}
-
-}  // namespace kvserve
-
-namespace kvserve::prefill {
-
 bool amx_tiles_supported(int64_t head_dim) {
-  return amx_prefill_available() && head_dim % kWidth == 0;
+  return amx_available() && head_dim % kWidth == 0;
 }
 
 void run_amx_tiles(const std::vector<Task>& tasks, const Bf16Problem& problem) {
@@ -532,16 +453,6 @@ void run_amx_tiles(const std::vector<Task>& tasks, const Bf16Problem& problem) {
 }
 
 #else
-
-}  // namespace kvserve::prefill
-
-namespace kvserve {
-
-bool amx_prefill_available() { return false; }
-
-}  // namespace kvserve
-
-namespace kvserve::prefill {
 
 bool amx_tiles_supported(int64_t) { return false; }
 

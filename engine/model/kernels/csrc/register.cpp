@@ -29,6 +29,7 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("int4_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor params) -> ()");
   m.def("int8_linear_vnni(Tensor(a!) out, Tensor x, Tensor weight, Tensor scales) -> ()");
   m.def("bf16_linear(Tensor(a!) out, Tensor x, Tensor weight) -> ()");
+  m.def("bf16_linear_amx(Tensor(a!) out, Tensor x, Tensor weight) -> ()");
   m.def("f32_linear(Tensor(a!) out, Tensor x, Tensor weight) -> ()");
   m.def(
       "lora_apply(Tensor(a!) y, Tensor x, Tensor a, Tensor bt, Tensor row_slots, Tensor spans)"
@@ -38,7 +39,7 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("f32_linear_supported() -> bool", &kvserve::f32_linear_supported);
   m.def("int8_vnni_supported() -> bool", &kvserve::int8_vnni_supported);
   m.def("int8_integer_supported() -> bool", &kvserve::int8_integer_supported);
-  m.def("amx_prefill_available() -> bool", &kvserve::amx_prefill_available);
+  m.def("amx_available() -> bool", &kvserve::amx_available);
   m.def(
       "apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, int[] rows, int[] mask_rows, "
       "int vocab_size) -> ()");
@@ -73,6 +74,7 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("int8_linear_vnni", &kvserve::int8_linear_vnni);
   m.impl("int4_linear", &kvserve::int4_linear);
   m.impl("bf16_linear", &kvserve::bf16_linear);
+  m.impl("bf16_linear_amx", &kvserve::bf16_linear_amx);
   m.impl("f32_linear", &kvserve::f32_linear);
   m.impl("lora_apply", &kvserve::lora_apply);
   m.impl("apply_token_bitmask_", &kvserve::apply_token_bitmask_);
