@@ -1,7 +1,8 @@
 """Where a single-stream decode step goes: operators vs Python and dispatch.
 
 The embedded model (bf16, or ``--quantization int8/int4``) through ``EngineCore`` (no
-HTTP), one greedy request of a 256-token prompt; after 100 warm-up steps, 200 steps run
+HTTP), one greedy request of a 256-token prompt (``--requests N``: N of them, each step N
+rows); after 100 warm-up steps, 200 steps run
 under torch's profiler. Reported:
 wall time per step, the operators' self time per step (every aten and kvserve op), and the
 rest (the Python of the engine and the model, and the dispatcher) as a share of the step.
@@ -11,6 +12,7 @@ rest (the Python of the engine and the model, and the dispatcher) as a share of 
     PYTHONPATH=. .venv/bin/python bench/profile_decode_step.py --bf16-kernel off --top 10
     PYTHONPATH=. .venv/bin/python bench/profile_decode_step.py --quantization int4 --top 10
     PYTHONPATH=. .venv/bin/python bench/profile_decode_step.py --quantization int4 --ab-rounds 3
+    PYTHONPATH=. .venv/bin/python bench/profile_decode_step.py --requests 32 --steps 50 --top 8
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ def main() -> None:
     )
     parser.add_argument("--kv-cache-dtype", default="auto", help="as the server's flag")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--requests", type=int, default=1, help="sequences decoding together (rows a step)"
+    )
     parser.add_argument("--top", type=int, default=0, help="also print the N costliest ops")
     parser.add_argument(
         "--no-torch-profiler",
@@ -109,8 +114,9 @@ def main() -> None:
     fast_decode = set_fast_decode(core, args.fast_decode == "on")
     steps = args.steps * (1 + 2 * args.ab_rounds) + 20 * args.ab_rounds
     params = SamplingParams(max_tokens=100 + steps + 1, temperature=0.0, ignore_eos=True)
-    prompt = list(range(100, 356))
-    core.add_request([Request("r", prompt, params, eos_token_ids=built.eos_token_ids)])
+    for i in range(args.requests):  # distinct prompts: nothing shared between the sequences
+        prompt = list(range(100 + i, 356 + i))
+        core.add_request([Request(f"r{i}", prompt, params, eos_token_ids=built.eos_token_ids)])
     for _ in range(100):
         core.step()
     if args.ab_rounds:
