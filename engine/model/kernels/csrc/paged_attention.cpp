@@ -3,7 +3,8 @@
 // (request, KV head) pair per task, the key and value rows loaded once for every query head
 // of the group. A sliding window shortens the range a request attends to (the blocks
 // before it are never touched), a soft cap maps the scores before their softmax, and sinks
-// join the denominator when the partitions are merged.
+// join the denominator when the partitions are merged. A bf16 model on a bf16 cache takes
+// bf16 dot products for both products where the CPU has them (decode_attention_bf16.h).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "common.h"
+#include "decode_attention_bf16.h"
 #include "ops.h"
 
 namespace kvserve {
@@ -259,6 +261,15 @@ struct PartitionKernels {
   int64_t score_heads = 0;
   int64_t value_heads = 0;
   int64_t value_columns = 0;
+  // A bf16 model on a bf16 cache, on a CPU with AVX512_BF16 (decode_attention_bf16.h),
+  // taken before the above: bf16 queries in, the scale applied to the sums; `bf16_heads`
+  // query heads a call, values in slices of `bf16_value_columns`.
+  void (*bf16_scores)(const uint16_t*, const uint16_t* const*, int64_t, float*, int64_t,
+                      float) = nullptr;
+  void (*bf16_values)(float*, const uint16_t*, int64_t, const uint16_t* const*, int64_t,
+                      int64_t, int64_t, const uint16_t*) = nullptr;
+  int64_t bf16_heads = 0;
+  int64_t bf16_value_columns = 0;
 };
 
 #ifdef KVSERVE_AVX2
@@ -329,9 +340,47 @@ void pick_partition_width(PartitionKernels<cache_t>& k, int64_t group, int64_t h
 }
 #endif
 
+#if defined(KVSERVE_AVX2) && defined(KVSERVE_HAVE_BF16_KERNEL)
+// The widest value slice (32-column chunks, halving from a whole row) whose G x slice x 2
+// accumulators, G weight pairs and four row registers fit the 32 registers.
+template <int G, int NC>
+constexpr int bf16_value_slice() {
+  int slice = NC;
+  while (slice > 1 && 2 * G * slice + G + 4 > 32) slice /= 2;
+  return slice;
+}
+
+template <int NC>
+void pick_bf16_width(PartitionKernels<at::BFloat16>& k, int64_t group) {
+  with_heads<6>(heads_per_call<6>(group), [&](auto g) {
+    constexpr int G = decltype(g)::value;
+    constexpr int kSlice = bf16_value_slice<G, NC>();
+    k.bf16_scores = &bf16_attention::scores<G, NC>;
+    k.bf16_values = &bf16_attention::values<G, kSlice>;
+    k.bf16_heads = G;
+    k.bf16_value_columns = 32 * kSlice;
+  });
+}
+
+// The bf16 products where they run: AVX512_BF16, head_dim 32, 64 or 128.
+inline void pick_bf16_partition(PartitionKernels<at::BFloat16>& k, int64_t group,
+                                int64_t head_dim) {
+  if (!bf16_linear_supported()) return;
+  switch (head_dim) {
+    case 32: pick_bf16_width<1>(k, group); break;
+    case 64: pick_bf16_width<2>(k, group); break;
+    case 128: pick_bf16_width<4>(k, group); break;
+    default: break;
+  }
+}
+#endif
+
 template <typename cache_t>
 PartitionKernels<cache_t> partition_kernels(int64_t group, int64_t head_dim) {
   PartitionKernels<cache_t> k;
+#if defined(KVSERVE_AVX2) && defined(KVSERVE_HAVE_BF16_KERNEL)
+  if constexpr (std::is_same_v<cache_t, at::BFloat16>) pick_bf16_partition(k, group, head_dim);
+#endif
 #ifdef __AVX512F__
   if (avx512_kernels_allowed()) {
     pick_partition_width<Zmm>(k, group, head_dim);
@@ -433,6 +482,19 @@ inline void for_each_cached_token(const cache_t* head, const int64_t* blocks, in
   }
 }
 
+// Asks for every key row, then every value row, of a partition into L2 before its first
+// product: its blocks are scattered through the pool, where the hardware prefetcher sees no
+// stream, and rows asked for a few at a time ahead of the products left a 32-sequence
+// step's attention at 7-10 GB/s. EPYC Zen 4, 32 x 400 tokens, cache cold, per layer: bf16
+// 950 -> 575 us, float32 1390 -> 1070, int8 1130 -> 910.
+template <typename cache_t>
+inline void prefetch_partition(const cache_t* const* keys, const cache_t* const* values,
+                               int64_t tokens, int64_t head_dim) {
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
+  for (int64_t t = 0; t < tokens; ++t) prefetch_lines_l2_kept(keys[t], row_bytes);
+  for (int64_t t = 0; t < tokens; ++t) prefetch_lines_l2_kept(values[t], row_bytes);
+}
+
 // Multiplies one token's entry in every query head's row of a [group, tokens] matrix.
 inline void scale_column(float* column, int64_t tokens, int64_t group, float factor) {
   for (int64_t g = 0; g < group; ++g) column[g * tokens] *= factor;
@@ -449,6 +511,7 @@ constexpr int64_t kPartitionTokens = 128;
 struct AttendScratch {
   std::vector<float> query;   // [group, head_dim], pre-scaled
   std::vector<float> scores;  // [group, tokens]
+  std::vector<uint16_t> weights_bf16;  // [group, tokens rounded to even]: bf16 products
 };
 
 // One partition's result for the `group` query heads: out = sum_t exp(s_t - peak) v_t
@@ -478,6 +541,7 @@ void attend_partition(const float* q, const cache_t* k_head, const cache_t* v_he
     values[t - begin] = v_head + slot * head_dim;
     slots[t - begin] = slot;
   }
+  prefetch_partition(keys, values, tokens, head_dim);
   for (int64_t g = 0; g < group; g += whole.score_heads) {
     whole.scores(q + g * head_dim, keys, tokens, scores + g * tokens, tokens);
   }
@@ -501,6 +565,48 @@ void attend_partition(const float* q, const cache_t* k_head, const cache_t* v_he
   }
 }
 
+#if defined(KVSERVE_AVX2) && defined(KVSERVE_HAVE_BF16_KERNEL)
+// attend_partition on the bf16 products (decode_attention_bf16.h): q is the group's
+// unscaled bf16 query rows; the softmax weights are rounded to bf16 for the values.
+inline void attend_partition_bf16(const uint16_t* q, const uint16_t* k_head,
+                                  const uint16_t* v_head, const int64_t* blocks, int64_t begin,
+                                  int64_t end, int64_t group, int64_t head_dim,
+                                  int64_t block_size, float scale, float softcap,
+                                  const PartitionKernels<at::BFloat16>& whole,
+                                  AttendScratch& scratch, const PartialView& result) {
+  alignas(64) static const uint16_t kZeroRow[512] = {};  // head_dim <= 512
+  const int64_t tokens = end - begin;
+  const uint16_t* keys[kPartitionTokens];
+  const uint16_t* values[kPartitionTokens];
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t slot = blocks[t / block_size] * block_size + t % block_size;
+    keys[t - begin] = k_head + slot * head_dim;
+    values[t - begin] = v_head + slot * head_dim;
+  }
+  prefetch_partition(keys, values, tokens, head_dim);
+  float* scores = scratch.scores.data();
+  for (int64_t g = 0; g < group; g += whole.bf16_heads) {
+    whole.bf16_scores(q + g * head_dim, keys, tokens, scores + g * tokens, tokens, scale);
+  }
+  if (softcap > 0.f) soft_cap(scores, group * tokens, softcap);
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * tokens;
+    result.peak[g] = max_of(row, tokens);
+    result.sum[g] = exp_shifted_sum(row, tokens, result.peak[g]);
+  }
+  const int64_t padded = tokens + tokens % 2;
+  scratch.weights_bf16.resize(group * padded);
+  uint16_t* weights = scratch.weights_bf16.data();
+  bf16_attention::round_weights(scores, tokens, tokens, group, padded, weights);
+  for (int64_t g = 0; g < group; g += whole.bf16_heads) {
+    for (int64_t column = 0; column < head_dim; column += whole.bf16_value_columns) {
+      whole.bf16_values(result.out + g * head_dim, weights + g * padded, padded, values, tokens,
+                        head_dim, column, kZeroRow);
+    }
+  }
+}
+#endif
+
 // Tokens [begin, end) of one (request, KV head) pair: the `group` query heads that share
 // the KV head attend to them, read block by block. k_head/v_head point at this KV head's
 // [num_blocks, block_size, head_dim] slab. For an int8 cache, k_scales/v_scales point at
@@ -520,6 +626,19 @@ void attend_range(
   float* q = scratch.query.data();
   float* scores = scratch.scores.data();
   float* out = result.out;
+#if defined(KVSERVE_AVX2) && defined(KVSERVE_HAVE_BF16_KERNEL)
+  // A bf16 model on a bf16 cache: the query rows are bf16 already (a float32 model keeps
+  // its float32 products, which rounding its queries to bf16 would give up).
+  if constexpr (std::is_same_v<cache_t, at::BFloat16> && std::is_same_v<scalar_t, at::BFloat16>) {
+    if (whole.bf16_scores != nullptr) {
+      attend_partition_bf16(reinterpret_cast<const uint16_t*>(query),
+                            reinterpret_cast<const uint16_t*>(k_head),
+                            reinterpret_cast<const uint16_t*>(v_head), blocks, begin, end, group,
+                            head_dim, block_size, scale, softcap, whole, scratch, result);
+      return;
+    }
+  }
+#endif
   for (int64_t i = 0; i < group * head_dim; ++i) q[i] = static_cast<float>(query[i]) * scale;
   if (whole.scores != nullptr) {
     attend_partition(q, k_head, v_head, k_scales, v_scales, blocks, begin, end, group, head_dim,
