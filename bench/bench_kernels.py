@@ -11,9 +11,11 @@ heads, 3 KV heads, head_dim 64, 30 layers, hidden 576, intermediate 1536):
   ``int8_linear_vnni``, integer, on CPUs with AVX512_VNNI);
 - the decoder's projections (no LM head) at 1-256 rows: int8 as the engine runs it
   (row-major kernel up to 4 rows, fbgemm beyond) vs int4 (``torch.ops.kvserve.int4_linear``);
-- a whole model's worth of bf16 linear layers (with the LM head) at 1-32 rows: torch's bf16
-  GEMM (oneDNN) vs the few-row kernel (``torch.ops.kvserve.bf16_linear``), on CPUs with
-  AVX512_BF16 only; with the read bandwidth of this machine beside it.
+- a whole model's worth of bf16 linear layers (with the LM head) at 1-64 rows: torch's bf16
+  GEMM (oneDNN) vs the few-row kernel (``torch.ops.kvserve.bf16_linear``) and, where the CPU
+  has AMX-BF16, the AMX kernel, on CPUs with AVX512_BF16 only; with the read bandwidth of
+  this machine beside it, and the GEMM ceiling: torch's own GEMM on the same shapes at 512
+  rows, weights warm.
 
     .venv/bin/python bench/bench_kernels.py
     .venv/bin/python bench/bench_kernels.py --batch 32 --context 400 --repeats 5
@@ -218,15 +220,20 @@ def bench_bf16_linear(args: argparse.Namespace) -> None:
     shapes = [*projection_shapes(), (spec.vocab_size, spec.hidden_size)]
     weights = [torch.randn(o, i).to(torch.bfloat16) for o, i in shapes]
     weight_bytes = sum(w.numel() * 2 for w in weights)
+    flops_per_row = 2 * sum(w.numel() for w in weights)
     bandwidth = read_bandwidth(args.repeats)
+    amx = bool(torch.ops.kvserve.amx_available())
     print(
         f"\nbf16 linear layers of one decode step ({weight_bytes / 1e6:.0f} MB of weights); "
         f"read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum of 512 MiB), so the floor "
         f"is {weight_bytes / bandwidth * 1e3:.2f} ms"
     )
-    print("| rows | torch (oneDNN) | native kernel | speed-up |")
-    print("|---:|---:|---:|---:|")
-    for rows in (1, 2, 4, 8, 16, 32):
+    kernels: dict[str, Callable[..., None]] = {"native kernel": torch.ops.kvserve.bf16_linear}
+    if amx:
+        kernels["AMX kernel"] = torch.ops.kvserve.bf16_linear_amx
+    print(f"| rows | torch (oneDNN) | {' | '.join(kernels)} |")
+    print("|---:|---:|" + "---:|" * len(kernels))
+    for rows in (1, 2, 4, 8, 16, 32, 48, 64):
         inputs = {i: torch.randn(rows, i).to(torch.bfloat16) for _, i in shapes}
         outs = [torch.empty(rows, w.shape[0], dtype=torch.bfloat16) for w in weights]
 
@@ -234,18 +241,42 @@ def bench_bf16_linear(args: argparse.Namespace) -> None:
             for w in weights:
                 torch.nn.functional.linear(inputs[w.shape[1]], w)
 
-        def native_all(
-            inputs: dict[int, torch.Tensor] = inputs, outs: list[torch.Tensor] = outs
+        def kernel_all(
+            kernel: Callable[..., None],
+            inputs: dict[int, torch.Tensor] = inputs,
+            outs: list[torch.Tensor] = outs,
         ) -> None:
             for w, out in zip(weights, outs, strict=True):
-                torch.ops.kvserve.bf16_linear(out, inputs[w.shape[1]], w)
+                kernel(out, inputs[w.shape[1]], w)
 
-        a = median_seconds(torch_all, args.repeats)
-        b = median_seconds(native_all, args.repeats)
+        cells = [median_seconds(torch_all, args.repeats)]
+        cells += [median_seconds(partial(kernel_all, k), args.repeats) for k in kernels.values()]
         print(
-            f"| {rows} | {a * 1e3:.2f} ms ({weight_bytes / a / 1e9:.1f} GB/s) | "
-            f"{b * 1e3:.2f} ms ({weight_bytes / b / 1e9:.1f} GB/s) | {a / b:.2f}x |"
+            f"| {rows} | "
+            + " | ".join(
+                f"{t * 1e3:.2f} ms ({flops_per_row * rows / t / 1e9:.0f} GFLOP/s)" for t in cells
+            )
+            + " |"
         )
+    print_gemm_ceiling(weights, flops_per_row, args.repeats)
+
+
+def print_gemm_ceiling(weights: list[torch.Tensor], flops_per_row: int, repeats: int) -> None:
+    """torch's own bf16 GEMM on the step's weight shapes at 512 rows, one matrix at a time
+    and each repeated while warm: the compute ceiling a decode step's projections are held
+    against (issue 38)."""
+    rows = 512
+    seconds = 0.0
+    for shape in sorted({tuple(w.shape) for w in weights}):
+        count = sum(tuple(w.shape) == shape for w in weights)
+        w = torch.randn(*shape).to(torch.bfloat16)
+        x = torch.randn(rows, shape[1]).to(torch.bfloat16)
+        gemm = partial(torch.nn.functional.linear, x, w)
+        seconds += count * median_seconds(gemm, repeats)
+    print(
+        f"bf16 GEMM ceiling: torch at {rows} rows, weights warm: "
+        f"{flops_per_row * rows / seconds / 1e9:.0f} GFLOP/s"
+    )
 
 
 BENCHES = {
