@@ -22,7 +22,13 @@ from typing import NamedTuple
 
 from bench.decode_floor import decode_bytes
 
-FORMATS = {"kvserve": "none", "kvserve-int8": "int8", "kvserve-int4": "int4"}
+# kvserve-baseline: the bf16 defaults from another checkout (compare_servers --baseline-tree).
+FORMATS = {
+    "kvserve": "none",
+    "kvserve-int8": "int8",
+    "kvserve-int4": "int4",
+    "kvserve-baseline": "none",
+}
 
 
 class Run(NamedTuple):
