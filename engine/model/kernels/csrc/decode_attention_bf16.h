@@ -19,23 +19,11 @@
 #include <cstring>
 
 #include "bf16_dot.h"  // KVSERVE_BF16_TARGET, KVSERVE_HAVE_BF16_KERNEL
+#include "lane_sums.h"
 
 namespace kvserve::bf16_attention {
 
 #ifdef KVSERVE_HAVE_BF16_KERNEL
-
-// The lane sums of a, b, c and d, in that order.
-KVSERVE_BF16_TARGET inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
-                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 halves =
-      _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, _MM_SHUFFLE(1, 0, 3, 2)));
-  const __m512 total =
-      _mm512_add_ps(halves, _mm512_shuffle_f32x4(halves, halves, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm512_castps512_ps128(total);
-}
 
 // scores[g * stride + t] = scale * (q[g] . rows[t]) for t < n and the G query heads of q
 // ([G][32 * NC] bf16): four keys at a time, each query chunk loaded once for the four.
@@ -58,7 +46,7 @@ KVSERVE_BF16_TARGET void scores(const uint16_t* q, const uint16_t* const* rows, 
       }
     }
     for (int g = 0; g < G; ++g) {
-      const __m128 sums = sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+      const __m128 sums = lane_sums4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
       _mm_storeu_ps(out + g * stride + t, _mm_mul_ps(sums, factor));
     }
   }
@@ -76,12 +64,12 @@ KVSERVE_BF16_TARGET void scores(const uint16_t* q, const uint16_t* const* rows, 
   }
 }
 
-// Rows of a [G, n] float32 weight matrix (row stride `stride`) rounded to bf16 into
-// dst ([G][padded], padded = n rounded up to even, the pad a zero weight).
-KVSERVE_BF16_TARGET inline void round_weights(const float* p, int64_t stride, int64_t n,
-                                              int64_t groups, int64_t padded, uint16_t* dst) {
+// The rows of a [groups, n] float32 weight matrix rounded to bf16 into dst ([groups][padded],
+// padded = n rounded up to even, the pad a zero weight).
+KVSERVE_BF16_TARGET inline void round_weights(const float* p, int64_t n, int64_t groups,
+                                              int64_t padded, uint16_t* dst) {
   for (int64_t g = 0; g < groups; ++g) {
-    const float* row = p + g * stride;
+    const float* row = p + g * n;
     uint16_t* to = dst + g * padded;
     int64_t t = 0;
     for (; t + 16 <= n; t += 16) {

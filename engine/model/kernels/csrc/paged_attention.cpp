@@ -522,6 +522,33 @@ struct PartialView {
   float* sum;   // [group]
 };
 
+// The [group, tokens] scores capped (softcap > 0), then each query head's row turned into
+// exp(s - peak) in place, its peak and the sum of the row recorded in `result`.
+inline void exponentiate_scores(float* scores, int64_t group, int64_t tokens, float softcap,
+                                const PartialView& result) {
+  if (softcap > 0.f) soft_cap(scores, group * tokens, softcap);
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * tokens;
+    result.peak[g] = max_of(row, tokens);
+    result.sum[g] = exp_shifted_sum(row, tokens, result.peak[g]);
+  }
+}
+
+// keys[t] / values[t] pointed at the rows of token begin + t in one KV head's slabs, and
+// slots[t] set to its slot (where slots is not null), for t < end - begin.
+template <typename cache_t>
+inline void list_partition_rows(const cache_t* k_head, const cache_t* v_head,
+                                const int64_t* blocks, int64_t begin, int64_t end,
+                                int64_t block_size, int64_t head_dim, const cache_t** keys,
+                                const cache_t** values, int64_t* slots) {
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t slot = blocks[t / block_size] * block_size + t % block_size;
+    keys[t - begin] = k_head + slot * head_dim;
+    values[t - begin] = v_head + slot * head_dim;
+    if (slots != nullptr) slots[t - begin] = slot;
+  }
+}
+
 // attend_range on the whole-partition kernels: the partition's key and value rows listed
 // once, scores for every query head, softmax statistics, then the weighted values (the
 // kernels ask for their rows a little ahead as they go).
@@ -535,12 +562,8 @@ void attend_partition(const float* q, const cache_t* k_head, const cache_t* v_he
   const cache_t* keys[kPartitionTokens];
   const cache_t* values[kPartitionTokens];
   int64_t slots[kPartitionTokens];
-  for (int64_t t = begin; t < end; ++t) {
-    const int64_t slot = blocks[t / block_size] * block_size + t % block_size;
-    keys[t - begin] = k_head + slot * head_dim;
-    values[t - begin] = v_head + slot * head_dim;
-    slots[t - begin] = slot;
-  }
+  list_partition_rows(k_head, v_head, blocks, begin, end, block_size, head_dim, keys, values,
+                      slots);
   prefetch_partition(keys, values, tokens, head_dim);
   for (int64_t g = 0; g < group; g += whole.score_heads) {
     whole.scores(q + g * head_dim, keys, tokens, scores + g * tokens, tokens);
@@ -548,12 +571,7 @@ void attend_partition(const float* q, const cache_t* k_head, const cache_t* v_he
   for (int64_t t = 0; k_scales != nullptr && t < tokens; ++t) {
     scale_column(scores + t, tokens, group, k_scales[slots[t]]);
   }
-  if (softcap > 0.f) soft_cap(scores, group * tokens, softcap);
-  for (int64_t g = 0; g < group; ++g) {
-    float* row = scores + g * tokens;
-    result.peak[g] = max_of(row, tokens);
-    result.sum[g] = exp_shifted_sum(row, tokens, result.peak[g]);
-  }
+  exponentiate_scores(scores, group, tokens, softcap, result);
   for (int64_t t = 0; v_scales != nullptr && t < tokens; ++t) {
     scale_column(scores + t, tokens, group, v_scales[slots[t]]);
   }
@@ -578,26 +596,18 @@ inline void attend_partition_bf16(const uint16_t* q, const uint16_t* k_head,
   const int64_t tokens = end - begin;
   const uint16_t* keys[kPartitionTokens];
   const uint16_t* values[kPartitionTokens];
-  for (int64_t t = begin; t < end; ++t) {
-    const int64_t slot = blocks[t / block_size] * block_size + t % block_size;
-    keys[t - begin] = k_head + slot * head_dim;
-    values[t - begin] = v_head + slot * head_dim;
-  }
+  list_partition_rows(k_head, v_head, blocks, begin, end, block_size, head_dim, keys, values,
+                      nullptr);
   prefetch_partition(keys, values, tokens, head_dim);
   float* scores = scratch.scores.data();
   for (int64_t g = 0; g < group; g += whole.bf16_heads) {
     whole.bf16_scores(q + g * head_dim, keys, tokens, scores + g * tokens, tokens, scale);
   }
-  if (softcap > 0.f) soft_cap(scores, group * tokens, softcap);
-  for (int64_t g = 0; g < group; ++g) {
-    float* row = scores + g * tokens;
-    result.peak[g] = max_of(row, tokens);
-    result.sum[g] = exp_shifted_sum(row, tokens, result.peak[g]);
-  }
+  exponentiate_scores(scores, group, tokens, softcap, result);
   const int64_t padded = tokens + tokens % 2;
   scratch.weights_bf16.resize(group * padded);
   uint16_t* weights = scratch.weights_bf16.data();
-  bf16_attention::round_weights(scores, tokens, tokens, group, padded, weights);
+  bf16_attention::round_weights(scores, tokens, group, padded, weights);
   for (int64_t g = 0; g < group; g += whole.bf16_heads) {
     for (int64_t column = 0; column < head_dim; column += whole.bf16_value_columns) {
       whole.bf16_values(result.out + g * head_dim, weights + g * padded, padded, values, tokens,
@@ -657,12 +667,7 @@ void attend_range(
     if (k_scales != nullptr) scale_column(column, tokens, group, k_scales[slot]);
   };
   for_each_cached_token(k_head, blocks, begin, end, block_size, head_dim, attend_key);
-  if (softcap > 0.f) soft_cap(scores, group * tokens, softcap);
-  for (int64_t g = 0; g < group; ++g) {
-    float* row = scores + g * tokens;
-    result.peak[g] = max_of(row, tokens);
-    result.sum[g] = exp_shifted_sum(row, tokens, result.peak[g]);
-  }
+  exponentiate_scores(scores, group, tokens, softcap, result);
   const auto accumulate_value = [&](const cache_t* value, int64_t t, int64_t slot) {
     float* column = scores + (t - begin);
     if (v_scales != nullptr) scale_column(column, tokens, group, v_scales[slot]);
