@@ -154,17 +154,10 @@ void bf16_linear_rows(uint16_t* op, const uint16_t* xp, const uint16_t* wp, int6
 void bf16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(bf16_linear_supported(),
               "bf16_linear needs a CPU with AVX512_BF16 (and KVSERVE_CPU_ISA not avx2)");
-  check_cpu_contiguous(out, "out");
-  check_cpu_contiguous(x, "x");
-  check_cpu_contiguous(weight, "weight");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16,
-              "bf16_linear takes bfloat16 x, weight and out");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && out.dim() == 2, "2-D tensors expected");
+  check_bf16_linear(out, x, weight, "bf16_linear");
   const int64_t rows = x.size(0);
   const int64_t in = x.size(1);
   const int64_t outs = weight.size(0);
-  TORCH_CHECK(weight.size(1) == in && out.size(0) == rows && out.size(1) == outs, "shape mismatch");
 #ifdef KVSERVE_HAVE_BF16_KERNEL
   bf16_linear_rows(reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
                    reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),

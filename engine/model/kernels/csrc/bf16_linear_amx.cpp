@@ -155,18 +155,12 @@ KVSERVE_AMX_TARGET void run_blocks(const Problem& p, int64_t begin, int64_t end)
 #endif
 
 void bf16_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(amx_available(), "bf16_linear_amx needs a CPU with AMX-BF16 (and KVSERVE_CPU_ISA unset)");
-  check_cpu_contiguous(out, "out");
-  check_cpu_contiguous(x, "x");
-  check_cpu_contiguous(weight, "weight");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16,
-              "bf16_linear_amx takes bfloat16 x, weight and out");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && out.dim() == 2, "2-D tensors expected");
+  TORCH_CHECK(amx_available(),
+              "bf16_linear_amx needs a CPU with AMX-BF16 (and KVSERVE_CPU_ISA unset)");
+  check_bf16_linear(out, x, weight, "bf16_linear_amx");
   const int64_t rows = x.size(0);
   const int64_t in = x.size(1);
   const int64_t outs = weight.size(0);
-  TORCH_CHECK(weight.size(1) == in && out.size(0) == rows && out.size(1) == outs, "shape mismatch");
   TORCH_CHECK(in % 32 == 0 && outs % 16 == 0,
               "bf16_linear_amx needs in_features % 32 == 0 and out_features % 16 == 0");
 #ifdef KVSERVE_HAVE_AMX

@@ -371,4 +371,20 @@ inline void check_float_rows(const at::Tensor& out, const at::Tensor& x) {
               "x and out must be float32");
 }
 
+// A bf16 linear's operands (bf16_linear, bf16_linear_amx): contiguous bf16 CPU tensors, x
+// [rows, in], weight [out, in], out [rows, out]; `op` names the kernel in the messages.
+inline void check_bf16_linear(const at::Tensor& out, const at::Tensor& x,
+                              const at::Tensor& weight, const char* op) {
+  check_cpu_contiguous(out, "out");
+  check_cpu_contiguous(x, "x");
+  check_cpu_contiguous(weight, "weight");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kBFloat16,
+              op, " takes bfloat16 x, weight and out");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && out.dim() == 2, "2-D tensors expected");
+  TORCH_CHECK(weight.size(1) == x.size(1) && out.size(0) == x.size(0) &&
+                  out.size(1) == weight.size(0),
+              "shape mismatch");
+}
+
 }  // namespace kvserve
