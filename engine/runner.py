@@ -50,7 +50,7 @@ class ModelRunner:
         self.num_groups = len(shape.groups)
         self.layer_groups = layer_group_indices(shape.groups, shape.num_layers)
         self.staging = CopyStaging(device_pool.layout, device_pool.key.device)
-        self.sampler = Sampler(eos_token_ids=eos_token_ids, seed=seed)
+        self.sampler = Sampler(eos_token_ids, seed, greedy=model.kernels.greedy_tokens)
         self.grammar = _grammar_decoding(grammars)
         self.lora = lora  # fills the model's adapter slots for each step (engine/lora/)
 

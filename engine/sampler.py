@@ -22,11 +22,13 @@ nothing loops over the vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.device_tensor import to_device
+from engine.model.kernels.base import greedy_tokens
 from engine.outputs import TokenLogprob
 from engine.penalty_state import PenaltyState
 from engine.request import SamplingParams
@@ -53,8 +55,15 @@ class Sampler:
     """Samples one token per row; keeps per-request generators and penalty counts until
     ``forget``."""
 
-    def __init__(self, eos_token_ids: tuple[int, ...] = (), seed: int = 0):
+    def __init__(
+        self,
+        eos_token_ids: tuple[int, ...] = (),
+        seed: int = 0,
+        greedy: Callable[[torch.Tensor], torch.Tensor] = greedy_tokens,
+    ):
         self.eos_token_ids = tuple(eos_token_ids)
+        # Greedy rows' argmax: the model's kernels' (a native pass on the CPU) or torch's.
+        self.greedy_tokens = greedy
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
         self._generators: dict[str, torch.Generator] = {}
@@ -113,7 +122,7 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
-            return greedy_tokens(logits)
+            return self.greedy_tokens(logits)
         device = logits.device
         temperature = to_device(
             [1.0 if r.params.greedy else r.params.temperature for r in rows], device
@@ -124,7 +133,7 @@ class Sampler:
         if not any(greedy):
             return sampled
         greedy_mask = to_device(greedy, device)
-        return torch.where(greedy_mask, greedy_tokens(logits), sampled)
+        return torch.where(greedy_mask, self.greedy_tokens(logits), sampled)
 
     def draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """One token per row from ``probs`` (rows need not sum to one), by inverse CDF."""
@@ -159,14 +168,6 @@ class Sampler:
             generator = torch.Generator(device=device).manual_seed(row.seed)
             self._generators[row.request_id] = generator
         return generator
-
-
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax: the first index of its largest value (a NaN counts as largest),
-    as ``argmax`` defines it. ``max``'s indices are the same tokens at under half of
-    ``argmax``'s cost on the CPU (a 49k vocabulary: 72 -> 27 us a row, 1.13 -> 0.42 ms at
-    32 rows; docs/archive/benchmarks-log.md)."""
-    return logits.max(dim=-1).indices
 
 
 def _padded_ids(

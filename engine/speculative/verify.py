@@ -32,7 +32,6 @@ from engine.sampler import (
     SamplingRow,
     apply_truncation,
     gather_logprobs,
-    greedy_tokens,
     raw_logprobs,
 )
 
@@ -95,7 +94,7 @@ def _accept_and_replace(
     has_draft = draft_next >= 0
     safe_draft = draft_next.clamp(min=0).unsqueeze(1)
     greedy_rows = [r.params.greedy for r in rows]
-    argmax = greedy_tokens(logits)
+    argmax = sampler.greedy_tokens(logits)
     accept = has_draft & (argmax == draft_next)
     replacement = argmax
     if all(greedy_rows):

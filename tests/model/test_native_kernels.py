@@ -76,6 +76,39 @@ def test_norms_and_activation_match_torch(native, dtype, rows):
     close(normed, normed_ref)
 
 
+@pytest.mark.parametrize("width", [1, 7, 16, 33, 49152])  # under, at and past 16 lanes
+def test_greedy_tokens_are_torch_argmax_ties_nans_and_infinities_included(native, width):
+    """The native argmax picks argmax's token in every row: the first of tied maxima
+    (within a 16-lane chunk, across lanes, and in the tail), the first NaN over any number,
+    +inf, and index 0 of an all -inf row; each row whatever the others hold."""
+    generator = torch.Generator().manual_seed(width)
+    logits = torch.randn(12, width, generator=generator)
+    last = width - 1
+    logits[1, [last, 0]] = 9.0  # tie: first and last
+    logits[2, [min(3, last), last]] = 9.0
+    logits[3, last] = float("nan")
+    logits[4, [last, width // 2]] = float("nan")  # two NaNs: the first wins
+    logits[5] = float("-inf")
+    logits[6, width // 3] = float("inf")
+    logits[7, [width // 3, last]] = float("inf")
+    logits[8] = 0.0  # all tied
+    logits[9, [width // 2, last]] = float("-inf")
+    logits[10] = torch.randint(0, 3, (width,), generator=generator).float()  # many ties
+    logits[11, last] = float("nan")
+    logits[11, 0] = float("inf")
+    expected = logits.argmax(dim=-1)
+    assert torch.equal(native.greedy_tokens(logits), expected)
+    for r in range(logits.shape[0]):  # alone, a row gets the token it got among the others
+        assert native.greedy_tokens(logits[r : r + 1].clone()).item() == expected[r].item()
+
+
+def test_greedy_tokens_of_other_dtypes_and_views_take_the_torch_path(native):
+    logits = torch.randn(4, 100, dtype=torch.bfloat16)
+    assert torch.equal(native.greedy_tokens(logits), logits.argmax(dim=-1))
+    wide = torch.randn(3, 200)
+    assert torch.equal(native.greedy_tokens(wide[:, ::2]), wide[:, ::2].argmax(dim=-1))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_rotates_query_and_key_heads_only(native, dtype):
     spec = make_spec(num_heads=6, num_kv_heads=2, head_dim=32)

@@ -68,6 +68,11 @@ class Kernels(Protocol):
 
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
 
+    def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax as ``torch.argmax`` defines it (first index of the largest
+        value, a NaN counting as largest): ``[rows, vocab]`` float32 -> int64 ``[rows]``."""
+        ...
+
     def write_kv(
         self,
         cache: PagedKVCache,
@@ -119,6 +124,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax: the first index of its largest value (a NaN counts as largest),
+    as ``argmax`` defines it; ``max``'s indices are the same tokens. On torch 2.13 on the
+    CPU the two cost the same (a 49k vocabulary: ~45 us a row, 0.7-1.1 ms for 32 rows);
+    NativeKernels overrides this with one pass a row (csrc/argmax.cpp)."""
+    return logits.max(dim=-1).indices
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -163,6 +176,9 @@ class TorchKernels:
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
+
+    def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        return greedy_tokens(logits)
 
     def write_kv(
         self,

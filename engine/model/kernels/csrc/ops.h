@@ -21,6 +21,9 @@ void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
 void rotary_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
              const at::Tensor& sin, int64_t num_rotated_heads, int64_t head_dim);
 void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+// Each row's greedy token: the first index of its largest value, NaN counting as largest
+// (torch.argmax's). logits: float32 [rows, vocab]; returns int64 [rows].
+at::Tensor argmax_rows(const at::Tensor& logits);
 
 // The attention ops' per-layer variants, all off by default: `window` > 0 limits a query at
 // position q to keys (q - window, q] (blocks wholly before the window may be placeholders

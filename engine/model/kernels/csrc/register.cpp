@@ -12,6 +12,7 @@ TORCH_LIBRARY(kvserve, m) {
       "rotary_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int num_rotated_heads, "
       "int head_dim) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def(
       "write_kv(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor qkv, Tensor slots, "
       "int num_heads, int num_kv_heads, int head_dim) -> ()");
@@ -67,6 +68,7 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("add_rms_norm", &kvserve::add_rms_norm);
   m.impl("rotary_", &kvserve::rotary_);
   m.impl("silu_and_mul", &kvserve::silu_and_mul);
+  m.impl("argmax_rows", &kvserve::argmax_rows);
   m.impl("write_kv", &kvserve::write_kv);
   m.impl("paged_decode_attention", &kvserve::paged_decode_attention);
   m.impl("paged_prefill_attention", &kvserve::paged_prefill_attention);
