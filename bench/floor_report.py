@@ -92,11 +92,19 @@ def main() -> None:
     parser.add_argument("out", type=Path, help="a compare_servers --out directory")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "int8", "int4"],
+        help="the weights of kvserve and kvserve-baseline (a run with --kvserve-arg="
+        "--quantization=...: the same format from two checkouts)",
+    )
     args = parser.parse_args()
     rows = run_rows(args.out, args.concurrency)
     if not rows:
         raise SystemExit(f"no runs with --read-bandwidth under {args.out}/round*/")
-    sizes = {server: decode_bytes(FORMATS[server], args.dtype) for server in {r[1] for r in rows}}
+    formats = {**FORMATS, "kvserve": args.quantization, "kvserve-baseline": args.quantization}
+    sizes = {server: decode_bytes(formats[server], args.dtype) for server in {r[1] for r in rows}}
     print(report(rows, sizes))
 
 
