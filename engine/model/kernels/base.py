@@ -126,9 +126,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax: the first index of its largest value (a NaN counts as largest),
-    as ``argmax`` defines it; ``max``'s indices are the same tokens. On torch 2.13 on the
-    CPU the two cost the same (a 49k vocabulary: ~45 us a row, 0.7-1.1 ms for 32 rows);
-    NativeKernels overrides this with one pass a row (csrc/argmax.cpp)."""
+    as ``argmax`` defines it; ``max``'s indices are the same tokens, and on torch 2.13 the
+    two cost the same on the CPU. NativeKernels overrides this with one pass a row
+    (csrc/argmax.cpp)."""
     return logits.max(dim=-1).indices
 
 

@@ -21,6 +21,7 @@ caches, biased or fbgemm-only projections) runs the Python loop.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -92,11 +93,13 @@ def dense_kind(linear: DenseLinear) -> LinearKind:
     return LinearKind.DENSE_F32 if linear.weight.dtype == torch.float32 else LinearKind.DENSE_BF16
 
 
+@functools.cache
 def _decode_layers_op() -> Callable[..., torch.Tensor]:
-    """``decode_layers``'s C++ entry point. The op takes a TorchBind object (MoELayers), and
-    for such ops torch's Python wrapper first walks every argument looking for a fake one
-    (``torch._ops._must_dispatch_in_python``, for tracing): ~0.13 ms a call over a model's
-    300 weight tensors, 2% of a single-stream int4 step. Only real objects reach this call."""
+    """``decode_layers``'s C++ entry point, looked up once. The op takes a TorchBind object
+    (MoELayers), and for such ops torch's Python wrapper first walks every argument looking
+    for a fake one (``torch._ops._must_dispatch_in_python``, for tracing): ~0.13 ms a call
+    over a model's 300 weight tensors, 2% of a single-stream int4 step. Only real objects
+    reach this call."""
     return torch.ops.kvserve.decode_layers.default._op
 
 
