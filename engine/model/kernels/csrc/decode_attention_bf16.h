@@ -20,7 +20,6 @@
 
 #include "bf16_dot.h"  // KVSERVE_BF16_TARGET, KVSERVE_HAVE_BF16_KERNEL
 #include "lane_sums.h"
-#include "line_feed.h"
 
 namespace kvserve::bf16_attention {
 
@@ -30,12 +29,11 @@ namespace kvserve::bf16_attention {
 // ([G][32 * NC] bf16): four keys at a time, each query chunk loaded once for the four.
 template <int G, int NC>
 KVSERVE_BF16_TARGET void scores(const uint16_t* q, const uint16_t* const* rows, int64_t n,
-                                float* out, int64_t stride, float scale, LineFeed* feed) {
+                                float* out, int64_t stride, float scale) {
   constexpr int64_t kDim = 32 * NC;
   const __m128 factor = _mm_set1_ps(scale);
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
-    if (feed != nullptr) feed->step();
     __m512 acc[G][4];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
@@ -53,7 +51,6 @@ KVSERVE_BF16_TARGET void scores(const uint16_t* q, const uint16_t* const* rows, 
     }
   }
   for (; t < n; ++t) {
-    if (feed != nullptr) feed->step();
     __m512 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
     for (int c = 0; c < NC; ++c) {
@@ -102,12 +99,11 @@ alignas(64) inline constexpr int32_t kUnpermute[2][16] = {
 template <int G, int SLICE>
 KVSERVE_BF16_TARGET void values(float* out, const uint16_t* p, int64_t padded,
                                 const uint16_t* const* rows, int64_t n, int64_t head_dim,
-                                int64_t column, const uint16_t* zero_row, LineFeed* feed) {
+                                int64_t column, const uint16_t* zero_row) {
   __m512 acc[G][SLICE][2];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < SLICE; ++c) acc[g][c][0] = acc[g][c][1] = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; t += 2) {
-    if (feed != nullptr) feed->step();
     const uint16_t* first = rows[t] + column;
     const uint16_t* second = t + 1 < n ? rows[t + 1] + column : zero_row;
     __m512bh weight[G];

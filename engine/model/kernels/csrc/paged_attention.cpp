@@ -15,7 +15,6 @@
 
 #include "common.h"
 #include "decode_attention_bf16.h"
-#include "line_feed.h"
 #include "ops.h"
 
 namespace kvserve {
@@ -265,10 +264,10 @@ struct PartitionKernels {
   // A bf16 model on a bf16 cache, on a CPU with AVX512_BF16 (decode_attention_bf16.h),
   // taken before the above: bf16 queries in, the scale applied to the sums; `bf16_heads`
   // query heads a call, values in slices of `bf16_value_columns`.
-  void (*bf16_scores)(const uint16_t*, const uint16_t* const*, int64_t, float*, int64_t, float,
-                      LineFeed*) = nullptr;
+  void (*bf16_scores)(const uint16_t*, const uint16_t* const*, int64_t, float*, int64_t,
+                      float) = nullptr;
   void (*bf16_values)(float*, const uint16_t*, int64_t, const uint16_t* const*, int64_t,
-                      int64_t, int64_t, const uint16_t*, LineFeed*) = nullptr;
+                      int64_t, int64_t, const uint16_t*) = nullptr;
   int64_t bf16_heads = 0;
   int64_t bf16_value_columns = 0;
 };
@@ -483,25 +482,17 @@ inline void for_each_cached_token(const cache_t* head, const int64_t* blocks, in
   }
 }
 
-// Every key row, then every value row, of tokens [begin, end) of one KV head, queued on
-// `feed` (line_feed.h): a block's rows lie together, so each block is one run of lines.
-// Asked for into L2 because the blocks are scattered through the pool, where the hardware
-// prefetcher sees no stream, and rows asked for a few at a time ahead of the products left
-// a 32-sequence step's attention at 7-10 GB/s (EPYC Zen 4, 32 x 400 tokens, cache cold,
-// per layer: bf16 950 -> 575 us, float32 1390 -> 1070, int8 1130 -> 910).
+// Asks for every key row, then every value row, of a partition into L2 before its first
+// product: its blocks are scattered through the pool, where the hardware prefetcher sees no
+// stream, and rows asked for a few at a time ahead of the products left a 32-sequence
+// step's attention at 7-10 GB/s. EPYC Zen 4, 32 x 400 tokens, cache cold, per layer: bf16
+// 950 -> 575 us, float32 1390 -> 1070, int8 1130 -> 910.
 template <typename cache_t>
-inline void queue_task_rows(LineFeed& feed, const cache_t* k_head, const cache_t* v_head,
-                            const int64_t* blocks, int64_t begin, int64_t end,
-                            int64_t block_size, int64_t head_dim) {
+inline void prefetch_partition(const cache_t* const* keys, const cache_t* const* values,
+                               int64_t tokens, int64_t head_dim) {
   const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
-  for (const cache_t* head : {k_head, v_head}) {
-    for (int64_t t = begin; t < end;) {
-      const int64_t stop = std::min(end, (t / block_size + 1) * block_size);
-      const int64_t slot = blocks[t / block_size] * block_size + t % block_size;
-      feed.add(head + slot * head_dim, (stop - t) * row_bytes);
-      t = stop;
-    }
-  }
+  for (int64_t t = 0; t < tokens; ++t) prefetch_lines_l2_kept(keys[t], row_bytes);
+  for (int64_t t = 0; t < tokens; ++t) prefetch_lines_l2_kept(values[t], row_bytes);
 }
 
 // Multiplies one token's entry in every query head's row of a [group, tokens] matrix.
@@ -515,14 +506,6 @@ inline void scale_column(float* column, int64_t tokens, int64_t group, float fac
 // the same numbers whatever it is batched with; and one long conversation spreads over
 // every thread instead of one thread per KV head.
 constexpr int64_t kPartitionTokens = 128;
-
-// One decode task's work: request `request`'s tokens [begin, end) under KV head `head`.
-struct TaskSpan {
-  int64_t request;
-  int64_t head;
-  int64_t begin;
-  int64_t end;
-};
 
 // Scratch space one thread reuses across its tasks.
 struct AttendScratch {
@@ -581,6 +564,7 @@ void attend_partition(const float* q, const cache_t* k_head, const cache_t* v_he
   int64_t slots[kPartitionTokens];
   list_partition_rows(k_head, v_head, blocks, begin, end, block_size, head_dim, keys, values,
                       slots);
+  prefetch_partition(keys, values, tokens, head_dim);
   for (int64_t g = 0; g < group; g += whole.score_heads) {
     whole.scores(q + g * head_dim, keys, tokens, scores + g * tokens, tokens);
   }
@@ -607,22 +591,17 @@ inline void attend_partition_bf16(const uint16_t* q, const uint16_t* k_head,
                                   int64_t end, int64_t group, int64_t head_dim,
                                   int64_t block_size, float scale, float softcap,
                                   const PartitionKernels<at::BFloat16>& whole,
-                                  AttendScratch& scratch, const PartialView& result,
-                                  LineFeed* next) {
+                                  AttendScratch& scratch, const PartialView& result) {
   alignas(64) static const uint16_t kZeroRow[512] = {};  // head_dim <= 512
   const int64_t tokens = end - begin;
-  if (next != nullptr) {  // the next task's lines over every step of both products' loops
-    const int64_t calls = (group + whole.bf16_heads - 1) / whole.bf16_heads;
-    const int64_t slices = (head_dim + whole.bf16_value_columns - 1) / whole.bf16_value_columns;
-    next->spread_over(calls * (tokens / 4 + tokens % 4 + (tokens + 1) / 2 * slices));
-  }
   const uint16_t* keys[kPartitionTokens];
   const uint16_t* values[kPartitionTokens];
   list_partition_rows(k_head, v_head, blocks, begin, end, block_size, head_dim, keys, values,
                       nullptr);
+  prefetch_partition(keys, values, tokens, head_dim);
   float* scores = scratch.scores.data();
   for (int64_t g = 0; g < group; g += whole.bf16_heads) {
-    whole.bf16_scores(q + g * head_dim, keys, tokens, scores + g * tokens, tokens, scale, next);
+    whole.bf16_scores(q + g * head_dim, keys, tokens, scores + g * tokens, tokens, scale);
   }
   exponentiate_scores(scores, group, tokens, softcap, result);
   const int64_t padded = tokens + tokens % 2;
@@ -632,7 +611,7 @@ inline void attend_partition_bf16(const uint16_t* q, const uint16_t* k_head,
   for (int64_t g = 0; g < group; g += whole.bf16_heads) {
     for (int64_t column = 0; column < head_dim; column += whole.bf16_value_columns) {
       whole.bf16_values(result.out + g * head_dim, weights + g * padded, padded, values, tokens,
-                        head_dim, column, kZeroRow, next);
+                        head_dim, column, kZeroRow);
     }
   }
 }
@@ -650,7 +629,7 @@ void attend_range(
     const float* v_scales, const int64_t* blocks, int64_t begin, int64_t end, int64_t group,
     int64_t head_dim, int64_t block_size, float scale, float softcap,
     const GroupKernels<cache_t>& fast, const PartitionKernels<cache_t>& whole,
-    AttendScratch& scratch, const PartialView& result, LineFeed* next) {
+    AttendScratch& scratch, const PartialView& result) {
   const int64_t tokens = end - begin;
   scratch.query.resize(group * head_dim);
   scratch.scores.resize(group * tokens);
@@ -665,13 +644,11 @@ void attend_range(
       attend_partition_bf16(reinterpret_cast<const uint16_t*>(query),
                             reinterpret_cast<const uint16_t*>(k_head),
                             reinterpret_cast<const uint16_t*>(v_head), blocks, begin, end, group,
-                            head_dim, block_size, scale, softcap, whole, scratch, result, next);
+                            head_dim, block_size, scale, softcap, whole, scratch, result);
       return;
     }
   }
 #endif
-  // The other kernels ask for their own rows a few ahead; the next task's go in one burst.
-  if (next != nullptr) next->drain();
   for (int64_t i = 0; i < group * head_dim; ++i) q[i] = static_cast<float>(query[i]) * scale;
   if (whole.scores != nullptr) {
     attend_partition(q, k_head, v_head, k_scales, v_scales, blocks, begin, end, group, head_dim,
@@ -808,47 +785,23 @@ void paged_decode_attention(
       const int64_t tasks = first.back();
       std::vector<float> outs(tasks * group * head_dim);
       std::vector<float> peaks(tasks * group), sums(tasks * group);
-      // Task `task`'s request, KV head and tokens; `pair` is the caller's cursor, only
-      // ever moved forward (a thread's tasks are consecutive).
-      const auto span_of = [&](int64_t task, int64_t& pair) {
-        while (first[pair + 1] <= task) ++pair;
-        const int64_t b = pair / num_kv_heads;
-        const int64_t token_begin = first_token[b] + (task - first[pair]) * kPartitionTokens;
-        return TaskSpan{b, pair % num_kv_heads, token_begin,
-                        std::min(lens[b], token_begin + kPartitionTokens)};
-      };
-      const auto queue_rows = [&](LineFeed& feed, const TaskSpan& span) {
-        queue_task_rows(feed, kc + span.head * head_stride, vc + span.head * head_stride,
-                        tables + span.request * max_blocks, span.begin, span.end, block_size,
-                        head_dim);
-      };
       at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
         AttendScratch scratch;
         int64_t pair = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
-        // A thread's first task asks for its rows at once; every later one is asked for
-        // from inside the products of the task before it (line_feed.h).
-        TaskSpan next = span_of(begin, pair);
-        LineFeed first_rows;
-        queue_rows(first_rows, next);
-        first_rows.drain();
         for (int64_t task = begin; task < end; ++task) {
-          const TaskSpan span = next;
-          LineFeed next_rows;
-          if (task + 1 < end) {
-            next = span_of(task + 1, pair);
-            queue_rows(next_rows, next);
-          }
-          const int64_t b = span.request;
-          const int64_t h = span.head;
+          while (first[pair + 1] <= task) ++pair;
+          const int64_t b = pair / num_kv_heads;
+          const int64_t h = pair % num_kv_heads;
+          const int64_t token_begin = first_token[b] + (task - first[pair]) * kPartitionTokens;
+          const int64_t token_end = std::min(lens[b], token_begin + kPartitionTokens);
           const PartialView result{outs.data() + task * group * head_dim,
                                    peaks.data() + task * group, sums.data() + task * group};
           attend_range(
               q + b * width + h * group * head_dim, kc + h * head_stride, vc + h * head_stride,
               quantized ? k_scales + h * scale_stride : nullptr,
               quantized ? v_scales + h * scale_stride : nullptr, tables + b * max_blocks,
-              span.begin, span.end, group, head_dim, block_size, static_cast<float>(scale),
-              static_cast<float>(softcap), fast, whole, scratch, result, &next_rows);
-          next_rows.drain();  // what the loops' steps left (none, unless they ended early)
+              token_begin, token_end, group, head_dim, block_size, static_cast<float>(scale),
+              static_cast<float>(softcap), fast, whole, scratch, result);
         }
       });
       at::parallel_for(0, batch * num_kv_heads, kRowGrain, [&](int64_t begin, int64_t end) {
