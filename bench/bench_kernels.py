@@ -6,6 +6,9 @@ heads, 3 KV heads, head_dim 64, 30 layers, hidden 576, intermediate 1536):
 - decode attention per layer, native vs torch backend on the same paged cache, for each
   KV cache dtype; block tables are a random permutation of the pool (as a long-running
   server's are) and every call reads another layer, so the cache is cold as in a step;
+- decode attention of a bf16 model on a bf16 cache (the served default), native only, with a
+  step's worth of weights (96 MiB) read between passes so every layer's rows come from
+  memory, against the read bandwidth measured beside it (``--only attention-bf16``);
 - a whole model's worth of int8 linear layers at 1-8 rows: fbgemm's dynamic-quantized
   GEMM vs the few-row kernels (``torch.ops.kvserve.int8_linear``, float; and
   ``int8_linear_vnni``, integer, on CPUs with AVX512_VNNI);
@@ -20,6 +23,7 @@ heads, 3 KV heads, head_dim 64, 30 layers, hidden 576, intermediate 1536):
     .venv/bin/python bench/bench_kernels.py
     .venv/bin/python bench/bench_kernels.py --batch 32 --context 400 --repeats 5
     .venv/bin/python bench/bench_kernels.py --only bf16
+    .venv/bin/python bench/bench_kernels.py --only attention-bf16 --batch 1 --repeats 15
 """
 
 from __future__ import annotations
@@ -109,6 +113,39 @@ def bench_attention(args: argparse.Namespace) -> None:
             f"| {kv_dtype} | {per_layer['native'] * 1e6:,.0f} us | "
             f"{per_layer['torch'] * 1e6:,.0f} us | {speedup:.1f}x |"
         )
+
+
+def bench_attention_bf16(args: argparse.Namespace) -> None:
+    spec = SMOLLM2
+    blocks_per_seq = -(-args.context // args.block_size)
+    num_blocks = max(1000, 2 * args.batch * blocks_per_seq)
+    order = torch.randperm(num_blocks).tolist()
+    chunks = [
+        SequenceChunk(args.context - 1, 1, order[i * blocks_per_seq : (i + 1) * blocks_per_seq])
+        for i in range(args.batch)
+    ]
+    meta = build_metadata(chunks, args.block_size, torch.device("cpu"))
+    qkv = torch.randn(args.batch, spec.q_size + 2 * spec.kv_size).bfloat16()
+    cache = filled_cache("bfloat16", num_blocks, args.block_size)
+    weights = torch.ones(24 * 1024 * 1024)  # 96 MiB: about a step's weights, read between passes
+    kernels = NativeKernels()
+
+    def cold_pass() -> float:
+        weights.sum()
+        start = time.perf_counter()
+        attend_all_layers(kernels, cache, qkv, meta)
+        return time.perf_counter() - start
+
+    cold_pass()  # warm-up
+    per_layer = statistics.median(cold_pass() for _ in range(args.repeats)) / spec.num_layers
+    bandwidth = read_bandwidth(args.repeats)
+    kv_bytes = 2 * args.batch * args.context * spec.kv_size * 2  # keys and values, bf16
+    print(
+        f"decode attention, bf16 model on a bf16 cache, B={args.batch}, context "
+        f"{args.context}, cache cold: {per_layer * 1e6:,.1f} us a layer, "
+        f"{kv_bytes / per_layer / 1e9:.1f} GB/s of K/V; read bandwidth "
+        f"{bandwidth / 1e9:.1f} GB/s, so {kv_bytes / bandwidth / per_layer:.0%} of it"
+    )
 
 
 def attend_all_layers(
@@ -281,6 +318,7 @@ def print_gemm_ceiling(weights: list[torch.Tensor], flops_per_row: int, repeats:
 
 BENCHES = {
     "attention": bench_attention,
+    "attention-bf16": bench_attention_bf16,
     "int8": bench_int8_linear,
     "int4": bench_int4_linear,
     "bf16": bench_bf16_linear,
