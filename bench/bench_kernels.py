@@ -118,8 +118,10 @@ def bench_attention(args: argparse.Namespace) -> None:
 def bench_attention_bf16(args: argparse.Namespace) -> None:
     spec = SMOLLM2
     blocks_per_seq = -(-args.context // args.block_size)
-    num_blocks = max(1000, 2 * args.batch * blocks_per_seq)
-    order = torch.randperm(num_blocks).tolist()
+    run = args.block_runs
+    num_blocks = max(1000, 2 * args.batch * blocks_per_seq) // run * run
+    # Runs of `run` consecutive block ids, the runs in random order.
+    order = [r * run + i for r in torch.randperm(num_blocks // run).tolist() for i in range(run)]
     chunks = [
         SequenceChunk(args.context - 1, 1, order[i * blocks_per_seq : (i + 1) * blocks_per_seq])
         for i in range(args.batch)
@@ -142,7 +144,7 @@ def bench_attention_bf16(args: argparse.Namespace) -> None:
     kv_bytes = 2 * args.batch * args.context * spec.kv_size * 2  # keys and values, bf16
     print(
         f"decode attention, bf16 model on a bf16 cache, B={args.batch}, context "
-        f"{args.context}, cache cold: {per_layer * 1e6:,.1f} us a layer, "
+        f"{args.context}, blocks in runs of {run}, cache cold: {per_layer * 1e6:,.1f} us a layer, "
         f"{kv_bytes / per_layer / 1e9:.1f} GB/s of K/V; read bandwidth "
         f"{bandwidth / 1e9:.1f} GB/s, so {kv_bytes / bandwidth / per_layer:.0%} of it"
     )
@@ -330,6 +332,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="decode attention: sequences")
     parser.add_argument("--context", type=int, default=400, help="decode attention: tokens")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--block-runs",
+        type=int,
+        default=1,
+        help="attention-bf16: a sequence's blocks come in runs of this many consecutive ids",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--only", nargs="+", choices=list(BENCHES), default=list(BENCHES), help="which parts"
