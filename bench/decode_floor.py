@@ -20,8 +20,7 @@ import torch
 from bench.bench_kernels import read_bandwidth
 from engine.builder import build_engine
 from engine.config import EngineArgs
-
-FORMATS = ("none", "int8", "int4")
+from engine.model.weight_format import QUANTIZATION_METHODS
 
 
 def decode_bytes(quantization: str, dtype: str) -> int:
@@ -37,7 +36,7 @@ def main() -> None:
     dtype = parser.parse_args().dtype
     print(f"torch threads {torch.get_num_threads()}, dtype {dtype}")
     before = read_bandwidth(9)
-    sizes = {name: decode_bytes(name, dtype) for name in FORMATS}
+    sizes = {name: decode_bytes(name, dtype) for name in QUANTIZATION_METHODS}
     after = read_bandwidth(9)
     print(f"read bandwidth {before / 1e9:.1f} GB/s before, {after / 1e9:.1f} GB/s after")
     print("| weights | bytes a decode token streams | floor at the lower | at the higher |")

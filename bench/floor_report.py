@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from bench.decode_floor import decode_bytes
+from engine.model.weight_format import QUANTIZATION_METHODS
 
 # kvserve-baseline: the bf16 defaults from another checkout (compare_servers --baseline-tree).
 FORMATS = {
@@ -95,7 +96,7 @@ def main() -> None:
     parser.add_argument(
         "--quantization",
         default="none",
-        choices=["none", "int8", "int4"],
+        choices=QUANTIZATION_METHODS,
         help="the weights of kvserve and kvserve-baseline (a run with --kvserve-arg="
         "--quantization=...: the same format from two checkouts)",
     )

@@ -25,6 +25,7 @@ import torch
 from engine.builder import build_engine
 from engine.config import EngineArgs
 from engine.model.layers.linear import DenseLinear, linear_layers
+from engine.model.weight_format import QUANTIZATION_METHODS
 from engine.request import Request, SamplingParams
 
 
@@ -70,7 +71,7 @@ def compare_fast_decode(core: object, fast_decode: object, args: argparse.Namesp
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bf16-kernel", choices=["on", "off"], default="on")
-    parser.add_argument("--quantization", choices=["none", "int8", "int4"], default="none")
+    parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="none")
     parser.add_argument(
         "--dtype",
         choices=["bfloat16", "float32"],

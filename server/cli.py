@@ -26,6 +26,7 @@ from engine.config import (
     KVEventsConfig,
     SpeculativeConfig,
 )
+from engine.model.weight_format import QUANTIZATION_METHODS
 from engine.request import POOLING_KINDS
 from server.cli_flags import (
     add_lora_flags,
@@ -74,7 +75,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     model.add_argument(
         "--quantization",
         default="none",
-        choices=["none", "int8", "int4"],
+        choices=QUANTIZATION_METHODS,
         help="weight quantization of the linear layers, CPU only: int8 (per channel) or "
         "int4 (Q4_1 groups of 32, native kernels; LM head int8)",
     )

@@ -28,6 +28,7 @@ from engine.model.weight_format import (
     INT4_GROUP,
     INT4_GROUP_OVERHEAD_BYTES,
     INT8_CHANNEL_OVERHEAD_BYTES,
+    QUANTIZATION_METHODS,
     ROWWISE_CHANNEL_BYTES,
     check_quantization,
 )
@@ -194,7 +195,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--quantization",
         default="none",
-        choices=["none", "int8", "int4"],
+        choices=QUANTIZATION_METHODS,
         help="as serve (int8, int4: CPU)",
     )
     parser.add_argument(
