@@ -84,16 +84,25 @@ def filled_cache(kv_dtype: str, num_blocks: int, block_size: int) -> PagedKVCach
     return PagedKVCache(pool, torch.float32)
 
 
-def bench_attention(args: argparse.Namespace) -> None:
-    spec = SMOLLM2
+def decode_metadata(
+    args: argparse.Namespace, min_blocks: int, run: int = 1
+) -> tuple[AttentionMetadata, int]:
+    """One decode row per sequence (``--batch`` of them, ``--context`` tokens each) and the
+    pool's block count: each sequence's blocks in runs of ``run`` consecutive ids, the runs
+    in random order (1: scattered, as a long-running server's are)."""
     blocks_per_seq = -(-args.context // args.block_size)
-    num_blocks = max(4000, 2 * args.batch * blocks_per_seq)
-    order = torch.randperm(num_blocks).tolist()
+    num_blocks = max(min_blocks, 2 * args.batch * blocks_per_seq) // run * run
+    order = [r * run + i for r in torch.randperm(num_blocks // run).tolist() for i in range(run)]
     chunks = [
         SequenceChunk(args.context - 1, 1, order[i * blocks_per_seq : (i + 1) * blocks_per_seq])
         for i in range(args.batch)
     ]
-    meta = build_metadata(chunks, args.block_size, torch.device("cpu"))
+    return build_metadata(chunks, args.block_size, torch.device("cpu")), num_blocks
+
+
+def bench_attention(args: argparse.Namespace) -> None:
+    spec = SMOLLM2
+    meta, num_blocks = decode_metadata(args, min_blocks=4000)
     qkv = torch.randn(args.batch, spec.q_size + 2 * spec.kv_size)
     backends = {"native": NativeKernels(), "torch": TorchKernels()}
     print(f"decode attention per layer, B={args.batch}, context {args.context}")
@@ -117,16 +126,8 @@ def bench_attention(args: argparse.Namespace) -> None:
 
 def bench_attention_bf16(args: argparse.Namespace) -> None:
     spec = SMOLLM2
-    blocks_per_seq = -(-args.context // args.block_size)
     run = args.block_runs
-    num_blocks = max(1000, 2 * args.batch * blocks_per_seq) // run * run
-    # Runs of `run` consecutive block ids, the runs in random order.
-    order = [r * run + i for r in torch.randperm(num_blocks // run).tolist() for i in range(run)]
-    chunks = [
-        SequenceChunk(args.context - 1, 1, order[i * blocks_per_seq : (i + 1) * blocks_per_seq])
-        for i in range(args.batch)
-    ]
-    meta = build_metadata(chunks, args.block_size, torch.device("cpu"))
+    meta, num_blocks = decode_metadata(args, min_blocks=1000, run=run)
     qkv = torch.randn(args.batch, spec.q_size + 2 * spec.kv_size).bfloat16()
     cache = filled_cache("bfloat16", num_blocks, args.block_size)
     weights = torch.ones(24 * 1024 * 1024)  # 96 MiB: about a step's weights, read between passes
